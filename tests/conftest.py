@@ -1,0 +1,40 @@
+"""Shared fixtures: the real embedded SmolLM2 verifier (converted once per machine) and helpers
+to run the numbered scripts as a user does, in a subprocess."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def run_script(script, *args, timeout=900, check=False, env=None):
+    """Run a numbered script; returns CompletedProcess with combined text output."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", **(env or {}))
+    proc = subprocess.run([sys.executable, str(ROOT / script), *map(str, args)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    proc.output = proc.stdout + proc.stderr
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{script} exited {proc.returncode}:\n{proc.output[-4000:]}")
+    return proc
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="session")
+def verifier_dir():
+    from common.models import resolve_verifier
+    return resolve_verifier("embedded:smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(verifier_dir):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(verifier_dir)
