@@ -135,7 +135,8 @@ def regenerate(convs, tok, cfg, model_dir, out_dir, log):
         prog.close()
         del llm
     new_convs, finish = _apply_regenerated(convs, folder, len(chunks), cfg)
-    stats = {"folder": str(folder), "answers": sum(finish.values()), "finish_reasons": dict(finish),
+    stats = {"folder": str(folder), "answers": sum(v for k, v in finish.items() if k != "too_long"),
+             "prompts_too_long": finish.get("too_long", 0), "finish_reasons": dict(finish),
              "hit_length_cap": finish.get("length", 0), "generated_tokens_this_run": gen_tokens,
              "generation_seconds_this_run": round(time.time() - t0, 1)}
     log.info("regenerated answers: %d, hit the %d-token cap: %d (%.0f%%)", stats["answers"], cfg.max_new_tokens,
@@ -151,10 +152,12 @@ def _apply_regenerated(convs, folder, n_chunks, cfg):
         assert row["id"] == ref, "regeneration chunk out of order; delete the regen folder"
         finish.update(row["finish"])
         if cfg.drop_capped_answers and "length" in row["finish"]:
-            out.append((ref, None))
+            out.append((ref, "regenerated_answer_capped"))
             continue
         new = _with_answers(msgs, row["answers"])
-        out.append((ref, new if new and new[-1]["role"] == "assistant" else None))
+        if not new or new[-1]["role"] != "assistant":
+            new = "prompt_too_long" if "too_long" in row["finish"] else "regeneration_empty"
+        out.append((ref, new))
     return out, finish
 
 
@@ -164,8 +167,8 @@ def tokenize_all(convs, tok, cfg, log):
     prog = Progress(len(convs), "tokenize", interval=cfg.log_interval)
     for ref, msgs in convs:
         prog.update()
-        if msgs is None:
-            skips["regenerated_answer_capped" if cfg.drop_capped_answers else "regeneration_empty"] += 1
+        if isinstance(msgs, str):  # dropped during regeneration, with its reason
+            skips[msgs] += 1
             continue
         try:
             ids, mask, was_truncated = tokenize_conversation(tok, msgs, cfg.max_seq_len)

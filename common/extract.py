@@ -1,0 +1,194 @@
+"""Stage 2 logic: verifier hidden states for every prepared sample, through vLLM or transformers."""
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from common.errors import UsageError
+from common.hidden_states import LAYER_CONVENTION, check_hidden, sample_path, write_sample
+from common.io import read_manifest, sha256_file
+from common.log import Progress
+
+
+def load_prepared(work_dir):
+    """The prepared samples, after checking stage 1's manifest and the data file's hash."""
+    folder = Path(work_dir) / "prepared"
+    man = read_manifest(folder, "prepare", "01_prepare_dataset.py")
+    path = folder / man["outputs"]["tokenized_data"]
+    if not path.is_file():
+        raise UsageError(f"{path} missing though {folder}/manifest.json says complete; re-run 01_prepare_dataset.py")
+    if sha256_file(path) != man["outputs"]["tokenized_data_sha256"]:
+        raise UsageError(f"{path} changed after its manifest was written; re-run 01_prepare_dataset.py")
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    return man, records
+
+
+def default_layer_ids(num_layers):
+    return [2, num_layers // 2, num_layers - 3, num_layers]
+
+
+def check_layer_ids(layer_ids, num_layers):
+    if len(layer_ids) < 2 or len(set(layer_ids)) != len(layer_ids):
+        raise UsageError(f"--layer-ids {layer_ids}: give distinct aux ids plus the final id {num_layers}")
+    bad = [k for k in layer_ids if not 0 <= k <= num_layers]
+    if bad:
+        raise UsageError(f"--layer-ids {layer_ids}: {bad} outside 0..{num_layers} (the verifier has {num_layers} "
+                         f"layers; vLLM numbering, id k enters decoder layer k)")
+    if layer_ids[-1] != num_layers:
+        raise UsageError(f"--layer-ids {layer_ids}: the last id must be {num_layers}, the final pre-norm state "
+                         f"the training targets come from (e.g. {default_layer_ids(num_layers)})")
+
+
+def token_batches(items, budget):
+    """Group (idx, ids) into batches whose total length stays within `budget` tokens."""
+    batch, used = [], 0
+    for idx, ids in items:
+        if batch and used + len(ids) > budget:
+            yield batch
+            batch, used = [], 0
+        batch.append((idx, ids))
+        used += len(ids)
+    if batch:
+        yield batch
+
+
+class VllmExtractor:
+    """vLLM's built-in `extract_hidden_states` speculative method + hidden-states KV connector."""
+
+    def __init__(self, model_dir, cfg, layer_ids, stage_dir):
+        from common.engine import make_llm, on_cpu
+        self.stage_dir = Path(stage_dir)
+        shutil.rmtree(self.stage_dir, ignore_errors=True)
+        connector = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
+                     "kv_connector_extra_config": {"shared_storage_path": str(self.stage_dir)}}
+        if on_cpu():  # the stock connector needs CUDA streams and pinned memory
+            connector.update(kv_connector="CPUHiddenStatesConnector", kv_connector_module_path="common.hs_connector")
+        spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}}}
+        # +1: vLLM counts the one generated token against max_model_len
+        self.llm = make_llm(model_dir, cfg, max_model_len=cfg.max_seq_len + 1, speculative_config=spec,
+                            kv_transfer_config=connector,
+                            enable_chunked_prefill=False, enable_prefix_caching=False,
+                            max_num_batched_tokens=max(cfg.max_tokens_per_batch, cfg.max_seq_len + 1))
+
+    def __call__(self, batch):
+        from vllm import SamplingParams
+        from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
+            cleanup_hidden_states, load_hidden_states)
+        outs = self.llm.generate([{"prompt_token_ids": list(ids)} for _, ids in batch],
+                                 SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
+        for (idx, _), out in zip(batch, outs):
+            path = out.kv_transfer_params["hidden_states_path"]
+            data = load_hidden_states(path)  # waits on the writer's lock
+            cleanup_hidden_states(path)
+            yield idx, data["hidden_states"], data["token_ids"]
+
+
+class HfExtractor:
+    """transformers forward: output_hidden_states[k] for k < N and a hook on the final norm's input for N."""
+
+    def __init__(self, model_dir, cfg, layer_ids):
+        from transformers import AutoModelForCausalLM
+        dtype = {"auto": "auto", "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+        kwargs = {"device_map": "auto"} if torch.cuda.is_available() else {}
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype[cfg.dtype],
+                                                          trust_remote_code=cfg.trust_remote_code, **kwargs).eval()
+        self.layer_ids = layer_ids
+        self.device = next(self.model.parameters()).device
+        self.captured = None
+        final_norm = self.model.get_decoder().norm
+        final_norm.register_forward_hook(lambda mod, inp, out: setattr(self, "captured", inp[0]))
+
+    @torch.no_grad()
+    def __call__(self, batch):
+        n = self.layer_ids[-1]
+        for idx, ids in batch:
+            x = torch.tensor([ids], device=self.device)
+            out = self.model.model(input_ids=x, output_hidden_states=True)
+            states = [out.hidden_states[k] if k < n else self.captured for k in self.layer_ids]
+            hidden = torch.stack([s[0] for s in states], dim=1).float().cpu()
+            yield idx, hidden, torch.tensor(ids)
+
+
+def extract(extractor, todo, records, out_dir, meta, cfg, log):
+    """Run the extractor over `todo` sample indices; write, check and count. -> stats dict."""
+    stats = {"samples": 0, "tokens": 0, "bytes": 0, "bad": {}}
+    items = [(i, records[i]["input_ids"]) for i in todo]
+    prog = Progress(len(items), "extract", interval=cfg.log_interval, extra_unit="tokens")
+    t0 = time.time()
+    for batch in token_batches(items, cfg.max_tokens_per_batch):
+        for idx, hidden, token_ids in extractor(batch):
+            rec = records[idx]
+            problem = check_hidden(hidden, token_ids, rec["input_ids"], len(meta["layer_ids"]), meta["hidden_size"])
+            if problem:
+                stats["bad"][str(idx)] = problem
+                log.warning("sample %d (%s) excluded: %s", idx, rec["id"], problem)
+                prog.update(1)
+                continue
+            path = sample_path(out_dir, idx)
+            write_sample(path, hidden, token_ids, torch.tensor(rec["loss_mask"]), meta, cfg.hs_dtype)
+            stats["samples"] += 1
+            stats["tokens"] += len(token_ids)
+            stats["bytes"] += os.path.getsize(path)
+            prog.update(1, extra=len(token_ids))
+    prog.close()
+    stats["seconds"] = round(time.time() - t0, 1)
+    stats["tokens_per_s"] = round(stats["tokens"] / max(stats["seconds"], 1e-9), 1)
+    return stats
+
+
+def load_head(model_dir, text_cfg):
+    """(final norm weight, lm_head weight) read straight from the checkpoint: no full model load."""
+    from safetensors import safe_open
+    folder = Path(model_dir)
+    index = folder / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else \
+        [p.name for p in folder.glob("*.safetensors")]
+    found = {}
+    for name in files:
+        with safe_open(str(folder / name), "pt") as fh:
+            for key in fh.keys():
+                if key.endswith("lm_head.weight") or key.endswith("embed_tokens.weight") or \
+                        (key.endswith("norm.weight") and ".layers." not in key and "vision" not in key):
+                    found[key.rsplit(".", 2)[-2] if "norm" in key else key.split(".")[-2]] = fh.get_tensor(key)
+    head = found.get("lm_head", found.get("embed_tokens"))
+    return found["norm"], head
+
+
+def self_check(model_dir, text_cfg, out_dir, indices, log):
+    """Agreement of argmax(lm_head(norm(h_N))) with the next token, on loss-masked positions.
+
+    High for regenerated data (the verifier wrote those tokens); near zero means the final layer
+    id or the norm convention is wrong. Cheap: reads two tensors of the checkpoint.
+    """
+    from common.hidden_states import read_sample
+    try:
+        norm_w, head = load_head(model_dir, text_cfg)
+    except Exception as exc:  # remote-code checkpoints with unusual names: report, do not fail
+        log.warning("self-check skipped: cannot read final norm / lm_head (%s)", exc)
+        return None
+    eps = getattr(text_cfg, "rms_norm_eps", 1e-6)
+    hits = total = 0
+    for idx in indices:
+        s = read_sample(sample_path(out_dir, idx), torch.float32)
+        h = s["hidden_states"][:, -1]
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * norm_w.float()
+        pred = (h @ head.float().T).argmax(-1)
+        mask = s["loss_mask"][1:].bool()
+        hits += (pred[:-1] == s["token_ids"][1:])[mask].sum().item()
+        total += mask.sum().item()
+    agreement = hits / max(total, 1)
+    log.info("self-check on %d samples: argmax(lm_head(norm(h_%d))) equals the next assistant token at %.1f%% "
+             "of %d positions", len(indices), text_cfg.num_hidden_layers, 100 * agreement, total)
+    if agreement < 0.2:
+        log.warning("self-check agreement is low: wrong final layer id or norm convention? (expected high for "
+                    "regenerated data)")
+    return {"samples": len(indices), "positions": total, "next_token_agreement": round(agreement, 4)}
+
+
+def file_meta(cfg, layer_ids, hidden_size, model_dir, params_hash):
+    return {"layer_ids": list(layer_ids), "layer_convention": LAYER_CONVENTION, "hidden_size": hidden_size,
+            "verifier": model_dir, "backend": cfg.backend, "params_hash": params_hash}

@@ -1,0 +1,89 @@
+"""Training data: per-sample hidden-state files -> packed sequences with document boundaries.
+
+Each sample is shifted as EAGLE-3 expects (speculators' shift_batch): the draft sees token i+1
+with the aux states of position i, and learns the verifier's distribution at position i+1.
+Samples are packed greedily, in a seeded order per epoch, into sequences of at most
+--max-tokens-per-step tokens; attention never crosses a document boundary.
+"""
+import random
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from common.hidden_states import read_sample, sample_path
+
+
+def split_samples(indices, val_fraction, seed):
+    """Fixed split by sample: -> (train, val). At least one validation sample when asked for any."""
+    order = list(indices)
+    random.Random(seed).shuffle(order)
+    n_val = min(len(order) - 1, max(1, round(len(order) * val_fraction))) if val_fraction > 0 else 0
+    return sorted(order[n_val:]), sorted(order[:n_val])
+
+
+def pack(indices, lengths, budget, seed, epoch):
+    """Greedy packing of shuffled samples into bins of <= budget tokens. -> list of index lists."""
+    order = list(indices)
+    random.Random(seed * 100003 + epoch).shuffle(order)
+    bins, cur, used = [], [], 0
+    for i in order:
+        n = min(lengths[i] - 1, budget)  # shifted length
+        if cur and used + n > budget:
+            bins.append(cur)
+            cur, used = [], 0
+        cur.append(i)
+        used += n
+    if cur:
+        bins.append(cur)
+    return bins
+
+
+def load_shifted(folder, idx, budget):
+    s = read_sample(sample_path(folder, idx), torch.bfloat16)
+    hs, ids, mask = s["hidden_states"], s["token_ids"], s["loss_mask"]
+    n = min(len(ids) - 1, budget)
+    return {"aux": hs[:n, :-1].flatten(1), "ids": ids[1:n + 1], "target_hidden": hs[1:n + 1, -1],
+            "loss_mask": mask[1:n + 1]}
+
+
+class PackedDataset(Dataset):
+    """Item i = the i-th packed bin, collated into one sequence."""
+
+    def __init__(self, folder, bins, budget):
+        self.folder, self.bins, self.budget = folder, bins, budget
+
+    def __len__(self):
+        return len(self.bins)
+
+    def __getitem__(self, i):
+        parts = [load_shifted(self.folder, idx, self.budget) for idx in self.bins[i]]
+        docs, start = [], 0
+        for p in parts:
+            docs.append((start, start + len(p["ids"])))
+            start += len(p["ids"])
+        out = {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+        out["doc"] = torch.cat([torch.full((b - a,), j) for j, (a, b) in enumerate(docs)])
+        out["pos"] = torch.cat([torch.arange(1, b - a + 1) for a, b in docs])  # positions start at 1 after the shift
+        out["docs"] = docs
+        return out
+
+
+def make_loader(folder, bins, budget, num_workers):
+    """Background workers prefetch the next packed sequences while the current step runs."""
+    ds = PackedDataset(folder, bins, budget)
+    kwargs = dict(batch_size=None, shuffle=False, num_workers=num_workers)
+    if num_workers:
+        kwargs.update(prefetch_factor=4, persistent_workers=False)
+    return DataLoader(ds, **kwargs)
+
+
+def to_device(batch, device, dtype):
+    out = {}
+    for k, v in batch.items():
+        if k == "docs":
+            out[k] = v
+        elif v.is_floating_point():
+            out[k] = v.to(device, dtype, non_blocking=True)
+        else:
+            out[k] = v.to(device, non_blocking=True)
+    return out

