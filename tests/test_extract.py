@@ -13,8 +13,7 @@ import torch
 from common.hidden_states import read_sample
 from conftest import ROOT, run_script
 
-N_SAMPLES = 6
-COMMON = ["--num-samples", N_SAMPLES, "--max-seq-len", 192, "--max-turns", 1, "--dtype", "float32"]
+COMMON = ["--num-samples", 6, "--max-seq-len", 192, "--max-turns", 1, "--dtype", "float32"]
 
 
 @pytest.fixture(scope="module")
@@ -37,14 +36,18 @@ def vllm_run(prepared):
     return prepared
 
 
+def n_samples(work):
+    return len((work / "prepared" / "tokenized_data.jsonl").read_text().splitlines())
+
+
 def load_all(work):
-    return [read_sample(work / "hidden_states" / f"hs_{i}.safetensors", torch.float32) for i in range(N_SAMPLES)]
+    return [read_sample(work / "hidden_states" / f"hs_{i}.safetensors", torch.float32) for i in range(n_samples(work))]
 
 
 def test_vllm_files_layout_and_manifest(vllm_run):
     man = json.loads((vllm_run / "hidden_states" / "manifest.json").read_text())
     assert man["status"] == "complete" and man["params"]["layer_ids"] == [2, 15, 27, 30]
-    assert man["counts"]["samples"] == N_SAMPLES and not man["counts"]["bad_samples"]
+    assert man["counts"]["samples"] == n_samples(vllm_run) >= 4 and not man["counts"]["bad_samples"]
     assert man["self_check"]["positions"] > 0 and 0.0 <= man["self_check"]["next_token_agreement"] <= 1.0
     prepared = [json.loads(l) for l in (vllm_run / "prepared" / "tokenized_data.jsonl").read_text().splitlines()]
     for rec, s in zip(prepared, load_all(vllm_run)):
@@ -85,7 +88,7 @@ def test_kill_and_resume_matches_uninterrupted(vllm_run, tmp_path):
     os.killpg(proc.pid, signal.SIGKILL)  # the whole process group: engine and workers too
     proc.wait()
     done = sorted(hs.glob("hs_*.safetensors"))
-    assert 2 <= len(done) < N_SAMPLES and not (hs / "manifest.json").exists()
+    assert 2 <= len(done) < n_samples(work) and not (hs / "manifest.json").exists()
     victim = done[0]
     victim.write_bytes(victim.read_bytes()[:1000])  # a truncated file is detected and redone
     rerun = run_script("02_extract_hidden_states.py", "--work-dir", work, *COMMON, "--max-tokens-per-batch", 192,
