@@ -1,7 +1,152 @@
 #!/usr/bin/env python3
-"""Stage placeholder: not implemented yet (see the open issues)."""
-import sys
+"""Stage 4: train the EAGLE-3 draft on the extracted hidden states and export it for vLLM.
+
+Reads <work-dir>/hidden_states/, vocab/ and prepared/; writes <work-dir>/train/ (checkpoints,
+metrics.jsonl, curves.png, manifest.json) and the servable draft in <work-dir>/final_draft/.
+Re-running the same command resumes from the latest checkpoint. Several GPUs:
+  torchrun --nproc_per_node 8 04_train.py --config C   (DDP; gloo on CPU)
+"""
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from common.errors import UsageError, run_main
+from common.export import compare_with_reference, export_draft
+from common.extract import load_prepared
+from common.io import read_manifest, write_manifest
+from common.models import load_verifier_config, resolve_verifier
+from common.stage import ensure_writable, start
+from common.train_data import split_samples
+from common.trainer import Trainer, build_model, dist_setup, geometry, load_checkpoint, plot_curves
+
+
+def read_inputs(cfg):
+    """Stage manifests of extraction and vocab, cross-checked: same prepared data, same tokenizer."""
+    work = Path(cfg.work_dir)
+    prep_man, records = load_prepared(work)
+    hs_man = read_manifest(work / "hidden_states", "extract", "02_extract_hidden_states.py")
+    voc_man = read_manifest(work / "vocab", "vocab", "03_build_vocab_mapping.py")
+    sha = prep_man["outputs"]["tokenized_data_sha256"]
+    if hs_man["params"]["prepared_sha256"] != sha:
+        raise UsageError(f"{work}/hidden_states was extracted from other prepared data; re-run 02_extract_hidden_states.py")
+    if voc_man["params"]["prepared_sha256"] != sha:
+        raise UsageError(f"{work}/vocab was built from other prepared data; re-run 03_build_vocab_mapping.py")
+    if voc_man["tokenizer"]["vocab_hash"] != prep_man["tokenizer"]["vocab_hash"]:
+        raise UsageError(f"{work}/vocab was built for another tokenizer; re-run 03_build_vocab_mapping.py")
+    want = voc_man["counts"]["draft_vocab_size"]
+    if not voc_man["counts"]["full_vocabulary"] and cfg.draft_vocab_size != want:
+        raise UsageError(f"--draft-vocab-size {cfg.draft_vocab_size} but {work}/vocab holds a {want}-token mapping; "
+                         f"re-run 03_build_vocab_mapping.py --draft-vocab-size {cfg.draft_vocab_size}")
+    layer_ids = hs_man["params"]["layer_ids"]
+    if cfg.layer_ids and list(cfg.layer_ids) != layer_ids:
+        raise UsageError(f"--layer-ids {cfg.layer_ids} but the hidden states hold layers {layer_ids}; re-extract")
+    return prep_man, records, hs_man, voc_man, layer_ids
+
+
+def memory_estimate(g, tokens, ttt_steps, longest_doc):
+    """Rough peak bytes of one micro-batch in fp32: logits and log-probs per TTT step dominate."""
+    per_token_step = 4 * (4 * g.draft_vocab_size + 14 * g.hidden_size + 3 * g.intermediate_size
+                          + 2 * (g.num_heads + 2 * g.num_kv_heads) * g.head_dim)
+    attn = 4 * g.num_heads * longest_doc * longest_doc * ttt_steps * 2
+    return tokens * ttt_steps * per_token_step + attn
+
+
+def available_memory(device):
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None
+
+
+def main():
+    cfg, log = start(4, "04_train", __doc__)
+    rank, world, device = dist_setup(cfg)
+    if cfg.num_threads and device.type == "cpu":
+        torch.set_num_threads(cfg.num_threads)
+    torch.manual_seed(cfg.seed)
+    prep_man, records, hs_man, voc_man, layer_ids = read_inputs(cfg)
+    model_dir = resolve_verifier(cfg.verifier, create=not cfg.dry_run)
+    text_cfg = load_verifier_config(model_dir, cfg.trust_remote_code)
+    full = voc_man["counts"]["full_vocabulary"]
+    draft_vocab = text_cfg.vocab_size if full else voc_man["counts"]["draft_vocab_size"]
+    g = geometry(cfg, text_cfg, draft_vocab, len(layer_ids) - 1)
+    hs_dir = Path(cfg.work_dir) / "hidden_states"
+    present = [i for i in range(len(records)) if (hs_dir / f"hs_{i}.safetensors").exists()]
+    if len(present) < 2:
+        raise UsageError(f"only {len(present)} hidden-state files in {hs_dir}; need at least 2 (train + validation)")
+    lengths = {i: len(records[i]["input_ids"]) for i in present}
+    train_idx, val_idx = split_samples(present, cfg.val_fraction, cfg.seed)
+    need = memory_estimate(g, cfg.max_tokens_per_step, cfg.ttt_steps, min(max(lengths.values()), cfg.max_tokens_per_step))
+    have = available_memory(device)
+    log.info("plan: %d train / %d validation samples (%d tokens), draft hidden %d, heads %d/%d x %d, MLP %d, "
+             "draft vocab %d of %d, aux layers %s, TTT %d, %d tokens per micro-batch x %d accumulation x %d ranks on "
+             "%s; ~%.1f GB per micro-batch (%.1f GB available)", len(train_idx), len(val_idx), sum(lengths.values()),
+             g.hidden_size, g.num_heads, g.num_kv_heads, g.head_dim, g.intermediate_size, g.draft_vocab_size,
+             g.verifier_vocab_size, layer_ids[:-1], cfg.ttt_steps, cfg.max_tokens_per_step, cfg.grad_accum, world,
+             device, need / 1e9, (have or 0) / 1e9)
+    if have is not None and need > 0.9 * have:
+        raise UsageError(f"one micro-batch of {cfg.max_tokens_per_step} tokens needs ~{need / 1e9:.1f} GB but "
+                         f"{device} has {have / 1e9:.1f} GB free; lower --max-tokens-per-step (and raise --grad-accum)")
+    out = Path(cfg.work_dir) / "train"
+    if cfg.dry_run:
+        log.info("dry run: preflight passed; nothing written")
+        return 0
+    ensure_writable(out)
+    target_ids = None if full else np.load(Path(cfg.work_dir) / "vocab" / "d2t.npy") + np.arange(draft_vocab)
+    model = build_model(g, model_dir, target_ids)
+    trainer = Trainer(cfg, model, device, hs_dir, train_idx, val_idx, lengths, out, log, rank, world)
+    trainer.resume()
+    t0 = time.time()
+    state = trainer.train()
+    if rank != 0:
+        return 0
+    best = out / "checkpoints" / f"step_{state['best_step']}" if state.get("best_step") is not None else None
+    final_val = [json.loads(l) for l in trainer.metrics_path.read_text().splitlines() if '"val"' in l]
+    if best and best.exists():
+        load_checkpoint(best, model, trainer.opt, trainer.sched)
+        log.info("exporting the best checkpoint %s (simulated acceptance length %.3f)", best.name, state["best"])
+    plot_curves(trainer.metrics_path, out / "curves.png", cfg.ttt_steps)
+    return finish(cfg, log, model, g, layer_ids, model_dir, text_cfg, state, final_val, out, time.time() - t0,
+                  len(train_idx), len(val_idx))
+
+
+def finish(cfg, log, model, g, layer_ids, model_dir, text_cfg, state, val_rows, out, seconds, n_train, n_val):
+    final = Path(cfg.work_dir) / "final_draft"
+    best_val = max(val_rows, key=lambda r: r["acceptance_length"]) if val_rows else None
+    meta = {"layer_ids": layer_ids, "layer_convention": "vllm (id k enters decoder layer k; final id N pre-norm)",
+            "verifier": cfg.verifier, "best_validation": best_val}
+    shapes = export_draft(model, final, cfg.export_format, layer_ids[:-1], cfg.verifier if not
+                          cfg.verifier.startswith("embedded:") else model_dir, text_cfg, cfg.ttt_steps, meta)
+    log.info("exported %s format to %s (%d tensors)", cfg.export_format, final, len(shapes))
+    if cfg.reference_config:
+        diffs = compare_with_reference(shapes, cfg.reference_config)
+        log.info("reference %s: %s", cfg.reference_config, "names and shapes identical" if not diffs else
+                 f"{len(diffs)} differences:\n  " + "\n  ".join(diffs))
+    params = {k: cfg[k] for k in ("epochs", "max_steps", "ttt_steps", "ttt_decay", "lr", "warmup_steps",
+                                  "weight_decay", "grad_clip", "grad_accum", "max_tokens_per_step", "seed",
+                                  "val_fraction", "export_format")}
+    write_manifest(out, "train", dict(params, layer_ids=layer_ids, geometry=g.to_dict()),
+                   counts={"train_samples": n_train, "val_samples": n_val, "steps": state["step"],
+                           "tokens": state["tokens"]},
+                   timings={"train_seconds_this_run": round(seconds, 1),
+                            "tokens_per_s": round(state["tokens"] / max(state["train_seconds"], 1e-9), 1)},
+                   best_validation=best_val, final_draft=str(final), exported_shapes=shapes)
+    if best_val:
+        k = cfg.ttt_steps
+        log.info("best validation: full acc %s, cond acc %s, simulated acceptance length %.3f",
+                 " / ".join(f"{best_val[f'full_acc_{i}']:.3f}" for i in range(k)),
+                 " / ".join(f"{best_val[f'cond_acc_{i}']:.3f}" for i in range(k)), best_val["acceptance_length"])
+    log.info("serve it: vllm serve %s --speculative-config '{\"method\": \"eagle3\", \"model\": \"%s\", "
+             "\"num_speculative_tokens\": %d}'", model_dir, final.resolve(), cfg.ttt_steps)
+    return 0
+
 
 if __name__ == "__main__":
-    print("error: 04_train.py is not implemented yet", file=sys.stderr)
-    sys.exit(2)
+    run_main(main)

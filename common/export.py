@@ -1,0 +1,106 @@
+"""Export the trained draft as a folder vLLM serves with {"method": "eagle3", "model": DIR}.
+
+speculators format (default): config built with speculators' own Eagle3SpeculatorConfig; weights
+fc / layers.0.* / norm / lm_head (+ d2t, t2d when the draft vocab is smaller).
+eagle format: the original EAGLE-3 layout (LlamaForCausalLMEagle3, midlayer.*), as SpecForge and
+the public AQ-MedAI Kimi-K2.5 draft use. Embeddings are omitted unless asked (vLLM shares the
+verifier's). norm_before_residual is always written: its default differs between the formats.
+"""
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from common.io import atomic_path, write_json_atomic
+
+
+def export_weights(model, fmt, include_embeddings=False):
+    g = model.g
+    sd = {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()
+          if not k.startswith("verifier_") and k not in ("d2t", "t2d")}
+    if not include_embeddings:
+        sd.pop("embed_tokens.weight")
+    if g.draft_vocab_size < g.verifier_vocab_size:
+        sd["d2t"], sd["t2d"] = model.d2t.detach().cpu().to(torch.int64), model.t2d.detach().cpu()
+    if fmt == "eagle":
+        sd = {k.replace("layers.0.", "midlayer."): v for k, v in sd.items()}
+    return {k: v.contiguous().cpu() for k, v in sd.items()}
+
+
+def llama_layer_config(g, aux_ids, verifier_config):
+    from transformers import LlamaConfig
+    return LlamaConfig(
+        vocab_size=g.verifier_vocab_size, hidden_size=g.hidden_size, intermediate_size=g.intermediate_size,
+        num_hidden_layers=1, num_attention_heads=g.num_heads, num_key_value_heads=g.num_kv_heads,
+        head_dim=g.head_dim, hidden_act=g.hidden_act, max_position_embeddings=g.max_position_embeddings,
+        rms_norm_eps=g.rms_norm_eps, rope_theta=g.rope_theta, tie_word_embeddings=False,
+        bos_token_id=getattr(verifier_config, "bos_token_id", None),
+        eos_token_id=getattr(verifier_config, "eos_token_id", None))
+
+
+def speculators_config(g, aux_ids, verifier_name, verifier_config, ttt_steps):
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.models.eagle3 import Eagle3SpeculatorConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+    archs = list(getattr(verifier_config, "architectures", None) or [])
+    conf = Eagle3SpeculatorConfig(
+        transformer_layer_config=llama_layer_config(g, aux_ids, verifier_config),
+        draft_vocab_size=g.draft_vocab_size, norm_before_residual=g.norm_before_residual,
+        eagle_aux_hidden_state_layer_ids=list(aux_ids),
+        speculators_config=SpeculatorsConfig(
+            algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=ttt_steps)],
+            default_proposal_method="greedy",
+            verifier=VerifierConfig(name_or_path=verifier_name, architectures=archs)))
+    return conf.to_dict()
+
+
+def eagle_config(g, aux_ids, verifier_config):
+    d = llama_layer_config(g, aux_ids, verifier_config).to_dict()
+    d.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=g.draft_vocab_size,
+             norm_before_residual=g.norm_before_residual,
+             eagle_config={"eagle_aux_hidden_state_layer_ids": list(aux_ids), "use_aux_hidden_state": True})
+    d["torch_dtype"] = "bfloat16"
+    return d
+
+
+def export_draft(model, out_dir, fmt, aux_ids, verifier_name, verifier_config, ttt_steps, extra_meta):
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    weights = export_weights(model, fmt)
+    cfg = speculators_config(model.g, aux_ids, verifier_name, verifier_config, ttt_steps) if fmt == "speculators" \
+        else eagle_config(model.g, aux_ids, verifier_config)
+    cfg["eagle3_train"] = extra_meta  # layer convention, data, metrics: provenance for whoever serves it
+    with atomic_path(out / "model.safetensors") as tmp:
+        save_file(weights, str(tmp), metadata={"format": "pt"})
+    write_json_atomic(out / "config.json", cfg)
+    return {k: list(v.shape) for k, v in weights.items()}
+
+
+def compare_with_reference(shapes, reference):
+    """Differences between our exported names/shapes and a reference checkpoint's (a folder with
+    model.safetensors / an index, or a JSON of {name: shape}). -> list of lines."""
+    ref = reference_shapes(reference)
+    lines = []
+    for k in sorted(set(ref) | set(shapes)):
+        if k not in shapes:
+            lines.append(f"missing here:   {k} {ref[k]}")
+        elif k not in ref:
+            lines.append(f"extra here:     {k} {shapes[k]}")
+        elif list(ref[k]) != list(shapes[k]):
+            lines.append(f"shape differs:  {k} ours {shapes[k]} reference {ref[k]}")
+    return lines
+
+
+def reference_shapes(reference):
+    from safetensors import safe_open
+    p = Path(reference)
+    if p.is_file() and p.suffix == ".json":
+        return {k: list(v) for k, v in json.loads(p.read_text()).items()}
+    files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
+    out = {}
+    for f in files:
+        with safe_open(str(f), "pt") as fh:
+            for k in fh.keys():
+                out[k] = list(fh.get_slice(k).get_shape())
+    return out
