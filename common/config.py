@@ -121,7 +121,7 @@ OPTIONS = [
     Opt("device", str, "auto", "training device: auto, cpu, cuda", stages="4"),
     Opt("num_threads", int, 0, "CPU threads for torch (0 = all cores)", stages="45"),
     # stage 5
-    Opt("eval_dataset", str, "mtbench", "evaluation prompts: 'mtbench' or a JSONL of prompts/conversations",
+    Opt("eval_dataset", str, "mtbench", "evaluation prompts: 'mtbench', 'prepared' (this run's own prompts) or a JSONL of prompts/conversations",
         stages="5"),
     Opt("eval_limit", int, 0, "evaluate at most this many prompts (0 = all)", stages="5"),
     Opt("num_speculative_tokens", _int_list, [3], "draft tokens per step; a list sweeps", stages="5"),

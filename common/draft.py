@@ -193,36 +193,44 @@ def ttt_loss(model, batch, ttt_steps, decay):
 
     batch: aux [T, 3H], ids [T] (token i+1), target_hidden [T, H] (verifier h_N at i+1),
     loss_mask [T], doc [T] document index, pos [T], docs [(start, end)].
+    The vocab projections (the bulk of the FLOPs) run only at loss-masked positions: teacher
+    forcing feeds ground-truth tokens forward, so other positions need no logits at all.
     """
     aux, ids, pos, docs = batch["aux"], batch["ids"], batch["pos"], batch["docs"]
-    with torch.no_grad():
-        targets = model.verifier_lm_head(model.verifier_norm(batch["target_hidden"])).float()
-        target_ids = targets.argmax(-1)
-        target_logp = targets.log_softmax(-1)
-    hidden, cache = model.fc(aux), []
     mask0 = batch["loss_mask"].bool()
-    prev_correct = mask0.clone()
-    total, metrics = 0.0, {}
+    tpos = mask0.nonzero().squeeze(1)
+    with torch.no_grad():
+        t_logits = model.verifier_lm_head(model.verifier_norm(batch["target_hidden"][tpos])).float()
+        target_ids = t_logits.argmax(-1)
+        target_logp = t_logits.log_softmax(-1)
+        target_p = target_logp.exp()
+        row_of = torch.full_like(ids, -1)
+        row_of[tpos] = torch.arange(len(tpos), device=ids.device)
+    hidden, cache = model.fc(aux), []
     T = ids.shape[0]
+    chain_ok = torch.ones(T, dtype=torch.bool, device=ids.device)  # drafts 0..k-1 right from start i
+    total, metrics = 0.0, {}
     for k in range(ttt_steps):
-        hidden, logits = model.step_logits(shift(ids, k), hidden, pos + k, docs, cache)
+        hidden = model.layers[0](model.embed_tokens(shift(ids, k)), hidden, pos + k, docs, cache)
         n = T - k
-        # logits at i predict what targets[i + k] holds; both must lie in the same document
-        m = mask0[k:] & (batch["doc"][: n] == batch["doc"][k:])
-        logp = logits[:n].float().log_softmax(-1)
-        kl = (target_logp[k:].exp() * (target_logp[k:] - logp)).sum(-1)
-        denom = m.sum().clamp(min=1)
-        step_loss = (kl * m).sum() / denom
+        # logits at start i predict what the verifier says at i + k; both in the same document
+        m = mask0[k:] & (batch["doc"][:n] == batch["doc"][k:])
+        sel = m.nonzero().squeeze(1)
+        rows = row_of[sel + k]
+        logp = model.lm_head(model.norm(hidden[sel])).float().log_softmax(-1)
+        kl = (target_p[rows] * (target_logp[rows] - logp)).sum(-1)
+        step_loss = kl.sum() / max(len(sel), 1)
         total = total + (decay ** k) * step_loss
         with torch.no_grad():
-            correct = logits[:n].argmax(-1) == target_ids[k:]
-            chain = prev_correct[:n] & m  # drafts 0..k-1 from this start were all right
+            correct = torch.zeros(T, dtype=torch.bool, device=ids.device)
+            correct[sel] = logp.argmax(-1) == target_ids[rows]
+            chain = chain_ok[:n] & m
             metrics[f"loss_{k}"] = step_loss.detach()
-            metrics[f"full_correct_{k}"] = (correct & chain).sum()  # drafts 0..k all right
+            metrics[f"full_correct_{k}"] = (correct[:n] & chain).sum()  # drafts 0..k all right
             metrics[f"full_total_{k}"] = m.sum()
-            metrics[f"cond_correct_{k}"] = (correct & chain).sum()
+            metrics[f"cond_correct_{k}"] = (correct[:n] & chain).sum()
             metrics[f"cond_total_{k}"] = chain.sum()
-            prev_correct = prev_correct[:n] & correct
+            chain_ok = chain_ok & correct
     return total, metrics
 
 

@@ -22,10 +22,10 @@ def export_weights(model, fmt, include_embeddings=False):
     if not include_embeddings:
         sd.pop("embed_tokens.weight")
     if g.draft_vocab_size < g.verifier_vocab_size:
-        sd["d2t"], sd["t2d"] = model.d2t.detach().cpu().to(torch.int64), model.t2d.detach().cpu()
+        sd["d2t"], sd["t2d"] = model.d2t.detach().to(torch.int64), model.t2d.detach()
     if fmt == "eagle":
         sd = {k.replace("layers.0.", "midlayer."): v for k, v in sd.items()}
-    return {k: v.contiguous().cpu() for k, v in sd.items()}
+    return {k: v.contiguous() if v.is_meta else v.contiguous().cpu() for k, v in sd.items()}
 
 
 def llama_layer_config(g, aux_ids, verifier_config):

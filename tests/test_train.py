@@ -1,0 +1,167 @@
+"""03 + 04 + 05 on real extracted SmolLM2 states: overfit, SIGKILL resume, speculators equivalence,
+vLLM serving of both export formats, and the Kimi-K2.5 export geometry."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import ROOT, run_script
+
+VOCAB = ["--draft-vocab-size", 1024]
+OVERFIT = [*VOCAB, "--epochs", 60, "--max-tokens-per-step", 256, "--num-workers", 0, "--val-fraction", 0.5,
+           "--lr", 3e-3, "--warmup-steps", 10, "--keep-last", 1, "--dtype", "float32", "--max-seq-len", 192]
+
+
+def copy_work(src, dst):
+    for sub in ("prepared", "hidden_states", "vocab"):
+        if (src / sub).exists():
+            shutil.copytree(src / sub, dst / sub)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def trained(extracted, tmp_path_factory):
+    work = copy_work(extracted, tmp_path_factory.mktemp("train") / "w")
+    run_script("03_build_vocab_mapping.py", "--work-dir", work, *VOCAB, check=True)
+    run_script("04_train.py", "--work-dir", work, *OVERFIT, check=True)
+    return work
+
+
+def test_overfits_a_few_samples(trained):
+    rows = [json.loads(l) for l in (trained / "train" / "metrics.jsonl").read_text().splitlines()]
+    last = [r for r in rows if r["kind"] == "train"][-1]
+    assert last["full_acc_0"] >= 0.9, last
+    man = json.loads((trained / "train" / "manifest.json").read_text())
+    assert man["counts"]["steps"] == last["step"] and man["best_validation"]["acceptance_length"] >= 1.0
+    assert (trained / "train" / "curves.png").stat().st_size > 10000
+    cfg = json.loads((trained / "final_draft" / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "eagle3" and cfg["norm_before_residual"] is True
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27] and cfg["draft_vocab_size"] == 1024
+    weights = load_file(str(trained / "final_draft" / "model.safetensors"))
+    assert "embed_tokens.weight" not in weights and weights["d2t"].dtype == torch.int64
+    assert weights["lm_head.weight"].shape == (1024, 576) and "layers.0.self_attn.q_proj.weight" in weights
+
+
+def test_speculators_loads_checkpoint_and_computes_same_outputs(trained):
+    """speculators' own Eagle3DraftModel, given our exported folder, predicts the same tokens and loss."""
+    from speculators.losses import resolve_loss_config
+    from speculators.models.eagle3 import Eagle3DraftModel
+
+    from common.draft import DraftGeometry, ttt_loss
+    from common.train_data import PackedDataset
+    from common.trainer import build_model
+    ref = Eagle3DraftModel.from_pretrained(str(trained / "final_draft"), attn_implementation="sdpa").float().eval()
+    ref.load_verifier_weights()
+    batch = PackedDataset(trained / "hidden_states", [[0]], 4096)[0]
+    batch = {k: (v.float() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in batch.items()}
+    with torch.no_grad():
+        draft_tokens, ref_loss, _ = ref(
+            hidden_states=batch["aux"][None], input_ids=batch["ids"][None], document_ids=batch["doc"][None],
+            loss_mask=batch["loss_mask"][None].bool(), position_ids=batch["pos"][None],
+            verifier_last_hidden_states=batch["target_hidden"][None], ttt_steps=3, ttt_step_loss_decay=0.8,
+            loss_config=resolve_loss_config("kl_div", "eager"))
+    # ours, from the same exported weights
+    man = json.loads((trained / "train" / "manifest.json").read_text())
+    ours = build_model(DraftGeometry(**man["params"]["geometry"]), ref.config.speculators_config.verifier.name_or_path,
+                       target_ids(trained))
+    exported = load_file(str(trained / "final_draft" / "model.safetensors"))
+    ours.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in exported.items()}, strict=False)
+    ours.eval()
+    with torch.no_grad():
+        logits = ours.unroll(batch["aux"], batch["ids"], batch["pos"], batch["docs"], 3)
+        our_loss, _ = ttt_loss(ours, batch, 3, 0.8)
+    for k in range(3):
+        n = len(batch["ids"]) - k
+        agree = (logits[k].argmax(-1)[:n] == draft_tokens[k][0][:n]).float().mean().item()
+        assert agree > 0.99, (k, agree)
+    torch.testing.assert_close(our_loss, ref_loss, rtol=2e-3, atol=2e-3)
+
+
+def target_ids(work):
+    import numpy as np
+    d2t = np.load(work / "vocab" / "d2t.npy")
+    return d2t + np.arange(len(d2t))
+
+
+def evaluate(work, *extra):
+    proc = run_script("05_evaluate.py", "--work-dir", work, "--eval-dataset", "prepared", "--eval-limit", 3,
+                      "--max-new-tokens", 24, "--dtype", "float32", "--max-seq-len", 192, *extra)
+    assert proc.returncode == 0, proc.output[-3000:]
+    return json.loads((work / "eval" / "acceptance.json").read_text())["results"]
+
+
+def test_both_export_formats_serve_in_vllm(trained):
+    rows = evaluate(trained, "--num-speculative-tokens", 3)
+    r = rows[0]
+    assert r["drafts"] > 0 and r["accepted_tokens"] > 0 and r["acceptance_length"] > 1.0
+    assert r["outputs_equal_baseline"] == r["prompts"]  # greedy output is the verifier's own
+    assert len(r["per_position_acceptance"]) == 3
+    # re-running 04 with another export format re-exports the finished run without training again
+    proc = run_script("04_train.py", "--work-dir", trained, *OVERFIT, "--export-format", "eagle", check=True)
+    assert "resumed from" in proc.output
+    cfg = json.loads((trained / "final_draft" / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["norm_before_residual"] is True
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
+    assert "midlayer.self_attn.q_proj.weight" in load_file(str(trained / "final_draft" / "model.safetensors"))
+    rows = evaluate(trained, "--num-speculative-tokens", 2)
+    assert rows[0]["accepted_tokens"] > 0 and rows[0]["outputs_equal_baseline"] == rows[0]["prompts"]
+
+
+def test_sigkill_resume_matches_uninterrupted(extracted, tmp_path):
+    args = [*VOCAB, "--epochs", 4, "--max-tokens-per-step", 256, "--num-workers", 0, "--val-fraction", 0.5,
+            "--save-every", 2, "--keep-last", 3, "--log-interval", 0, "--lr", 1e-3, "--max-seq-len", 192]
+    runs = {}
+    for name in ("straight", "killed"):
+        work = copy_work(extracted, tmp_path / name)
+        run_script("03_build_vocab_mapping.py", "--work-dir", work, *VOCAB, check=True)
+        if name == "killed":
+            cmd = [sys.executable, str(ROOT / "04_train.py"), "--work-dir", str(work), *map(str, args)]
+            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                    start_new_session=True)
+            ck = work / "train" / "checkpoints"
+            deadline = time.time() + 300
+            while time.time() < deadline and not (ck / "step_4" / "state.pt").exists():
+                time.sleep(0.05)
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            assert not (work / "train" / "manifest.json").exists()
+        proc = run_script("04_train.py", "--work-dir", work, *args)
+        assert proc.returncode == 0, proc.output[-3000:]
+        if name == "killed":
+            assert "resumed from" in proc.output
+        runs[name] = work
+    a_ck, b_ck = (sorted((w / "train" / "checkpoints").glob("step_*"), key=lambda p: int(p.name[5:]))[-1]
+                  for w in runs.values())
+    assert a_ck.name == b_ck.name
+    a, b = (load_file(str(c / "trainable.safetensors")) for c in (a_ck, b_ck))
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+    curves = [[(r["step"], round(r["loss_0"], 5)) for r in map(json.loads, (w / "train" / "metrics.jsonl")
+               .read_text().splitlines()) if r["kind"] == "train"] for w in runs.values()]
+    assert curves[0] == curves[1]  # the resumed run follows the same loss curve
+
+
+def test_kimi_config_export_matches_aq_medai_reference():
+    """configs/kimi-k2.5.yaml exports the AQ-MedAI draft's names and shapes (meta device, no weights)."""
+    from common.config import parse_config
+    from common.draft import Eagle3Draft
+    from common.export import compare_with_reference, export_weights
+    from common.trainer import geometry
+    cfg = parse_config(4, "t", ["--config", str(ROOT / "configs" / "kimi-k2.5.yaml")])
+    kimi_text = SimpleNamespace(hidden_size=7168, num_attention_heads=64, num_key_value_heads=64, head_dim=None,
+                                intermediate_size=18432, rms_norm_eps=1e-6, rope_theta=50000.0,
+                                max_position_embeddings=262144, vocab_size=163840, num_hidden_layers=61)
+    g = geometry(cfg, kimi_text, cfg.draft_vocab_size, len(cfg.layer_ids) - 1)
+    with torch.device("meta"):
+        model = Eagle3Draft(g)
+    shapes = {k: list(v.shape) for k, v in export_weights(model, cfg.export_format).items()}
+    assert compare_with_reference(shapes, ROOT / "tests" / "data" / "aq_medai_kimi_k25_eagle3_shapes.json") == []
