@@ -54,13 +54,17 @@ def test_overfits_a_few_samples(trained):
 def test_speculators_loads_checkpoint_and_computes_same_outputs(trained):
     """speculators' own Eagle3DraftModel, given our exported folder, predicts the same tokens and loss."""
     from speculators.losses import resolve_loss_config
-    from speculators.models.eagle3 import Eagle3DraftModel
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
     from common.draft import DraftGeometry, ttt_loss
     from common.train_data import PackedDataset
     from common.trainer import build_model
-    ref = Eagle3DraftModel.from_pretrained(str(trained / "final_draft"), attn_implementation="sdpa").float().eval()
-    ref.load_verifier_weights()
+    conf = Eagle3SpeculatorConfig.from_pretrained(str(trained / "final_draft"))
+    conf.transformer_layer_config._attn_implementation = "sdpa"  # its flex attention default is GPU-only
+    ref = Eagle3DraftModel.from_pretrained(str(trained / "final_draft"), config=conf)
+    # embeddings are not in the draft checkpoint (vLLM shares the verifier's); HF init left them zero, not NaN
+    ref._load_verifier_weights(overwrite_embed_tokens=True)
+    ref = ref.float().eval()
     batch = PackedDataset(trained / "hidden_states", [[0]], 4096)[0]
     batch = {k: (v.float() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in batch.items()}
     with torch.no_grad():
