@@ -6,7 +6,7 @@
 set -uo pipefail
 cd "$(dirname "$0")"
 
-STAGES=(01_prepare_dataset)   # later stages join this list as they land
+STAGES=(01_prepare_dataset 02_extract_hidden_states 03_build_vocab_mapping 04_train 05_evaluate)
 config=configs/smollm2-135m.yaml
 if [[ $# -gt 0 && $1 != --* ]]; then config=$1; shift; fi
 from="" only="" pass=()
@@ -26,13 +26,21 @@ mkdir -p "$work_dir/logs"
 combined="$work_dir/logs/pipeline.log"
 echo "pipeline: config $config, work dir $work_dir; follow with: tail -f $combined"
 
-started=0
+timings="$work_dir/logs/timings.json"
+[[ -f $timings ]] || echo '{}' > "$timings"
+started=0 forced=0
 for stage in "${STAGES[@]}"; do
   num=${stage%%_*}
   [[ -z $from || $started == 1 || $stage == *$from* || $num == "$from" ]] && started=1
   [[ $started == 1 ]] || continue
   [[ -z $only || $stage == *$only* || $num == "$only" ]] || continue
   log="$work_dir/logs/$stage.log"
+  # skip a stage whose manifest is complete and matches this config, unless an earlier stage just ran
+  if [[ $forced == 0 && -z $only ]] && "$PY" -m common.pipeline done "$stage" --config "$config" "${pass[@]}" 2>/dev/null; then
+    echo "$(date '+%F %T') [pipeline] stage $stage: complete and up to date, skipped" | tee -a "$combined"
+    continue
+  fi
+  forced=1
   echo "$(date '+%F %T') [pipeline] stage $stage: starting (log $log)" | tee -a "$combined"
   t0=$(date +%s)
   PYTHONUNBUFFERED=1 "$PY" "$stage.py" --config "$config" "${pass[@]}" 2>&1 | tee "$log" \
@@ -41,8 +49,13 @@ for stage in "${STAGES[@]}"; do
   if [[ $rc != 0 ]]; then
     echo "$(date '+%F %T') [pipeline] stage $stage FAILED with exit status $rc; last lines of $log:" | tee -a "$combined"
     tail -n 15 "$log" | sed 's/^/    /'
+    echo "fix the cause and re-run the same command: completed stages are skipped, $stage resumes" >&2
     exit "$rc"
   fi
-  echo "$(date '+%F %T') [pipeline] stage $stage: done in $(( $(date +%s) - t0 ))s" | tee -a "$combined"
+  secs=$(( $(date +%s) - t0 ))
+  "$PY" -c "import json,sys; p=sys.argv[1]; d=json.load(open(p)); d[sys.argv[2]]=int(sys.argv[3]); json.dump(d, open(p,'w'))" \
+    "$timings" "$stage" "$secs"
+  echo "$(date '+%F %T') [pipeline] stage $stage: done in ${secs}s" | tee -a "$combined"
 done
-echo "pipeline: finished; outputs in $work_dir"
+report=$("$PY" -m common.pipeline report --config "$config" "${pass[@]}")
+echo "pipeline: finished; report: $report"

@@ -231,6 +231,9 @@ def all_reduce_sums(sums, device):
 
 # ---------------------------------------------------------------- the loop
 
+RESUME_KEYS = ("epochs", "max_steps", "lr", "warmup_steps", "weight_decay", "grad_clip", "grad_accum",
+               "max_tokens_per_step", "ttt_steps", "ttt_decay", "seed", "val_fraction")
+
 class Trainer:
     def __init__(self, cfg, model, device, folder, train_idx, val_idx, lengths, out_dir, log, rank=0, world=1):
         self.cfg, self.device, self.folder, self.out, self.log = cfg, device, folder, Path(out_dir), log
@@ -251,8 +254,10 @@ class Trainer:
             self.total_steps = min(self.total_steps, cfg.max_steps)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg.warmup_steps, self.total_steps))
         self.val_bins = pack(val_idx, lengths, cfg.max_tokens_per_step, cfg.seed, 0) if val_idx else []
+        self.settings = {k: cfg[k] for k in RESUME_KEYS}
+        self.settings["geometry"] = model.g.to_dict()
         self.state = {"step": 0, "epoch": 0, "bin": 0, "best": None, "best_step": None, "tokens": 0,
-                      "train_seconds": 0.0}
+                      "train_seconds": 0.0, "settings": self.settings}
         self.ckpt_dir = self.out / "checkpoints"
         self.metrics_path = self.out / "metrics.jsonl"
 
@@ -262,6 +267,11 @@ class Trainer:
             if self.rank == 0 and self.metrics_path.exists():
                 self.metrics_path.unlink()  # a fresh run starts a fresh curve
             return False
+        saved = torch.load(ckpt / "state.pt", weights_only=False).get("settings")
+        if saved != self.settings:
+            diff = sorted(k for k in self.settings if (saved or {}).get(k) != self.settings[k])
+            raise UsageError(f"checkpoints in {self.ckpt_dir} were made with other settings ({', '.join(diff)}); "
+                             f"use a new --work-dir, or delete {self.out} to start over")
         self.state = load_checkpoint(ckpt, self.model, self.opt, self.sched)
         if self.rank == 0:
             self._truncate_metrics(self.state["step"])
