@@ -7,6 +7,7 @@ Re-running the same command resumes from the latest checkpoint. Several GPUs:
   torchrun --nproc_per_node 8 04_train.py --config C   (DDP; gloo on CPU)
 """
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -68,6 +69,8 @@ def available_memory(device):
 def main():
     cfg, log = start(4, "04_train", __doc__)
     rank, world, device = dist_setup(cfg)
+    if rank:
+        logging.getLogger().setLevel(logging.WARNING)  # one log per run: rank 0 speaks
     if cfg.num_threads and device.type == "cpu":
         torch.set_num_threads(cfg.num_threads)
     torch.manual_seed(cfg.seed)

@@ -330,7 +330,7 @@ class Trainer:
             bins = self.epoch_bins[st["epoch"]]
             mine = bins[self.rank::self.world]
             loader = make_loader(self.folder, mine[st["bin"]:], cfg.max_tokens_per_step, cfg.num_workers)
-            micro = 0
+            micro = step_tokens = 0
             t_step = time.time()
             for batch in loader:
                 batch = to_device(batch, self.device, self.dtype)
@@ -339,13 +339,15 @@ class Trainer:
                 (loss / cfg.grad_accum).backward()
                 accumulate(window["sums"], metrics)
                 window["tokens"] += int(batch["ids"].shape[0])
+                step_tokens += int(batch["ids"].shape[0]) * self.world
                 st["bin"] += 1
                 micro += 1
                 if micro % cfg.grad_accum:
                     continue
                 self._optimizer_step()
                 st["step"] += 1
-                st["tokens"] += window["tokens"]
+                st["tokens"] += step_tokens
+                step_tokens = 0
                 step_time = time.time() - t_step
                 st["train_seconds"] += step_time
                 t_step = time.time()

