@@ -220,11 +220,13 @@ def dist_setup(cfg):
     return rank, world, device
 
 
-def all_reduce_sums(sums, device):
+def all_reduce_sums(sums, device, ttt_steps):
     if not (dist.is_available() and dist.is_initialized()):
         return sums
-    keys = sorted(sums)
-    t = torch.tensor([float(sums[k]) for k in keys], device=device, dtype=torch.float64)
+    # the same keys on every rank, also on a rank that saw no validation sequence
+    keys = ["batches"] + [f"{m}_{k}" for m in ("loss", "full_correct", "full_total", "cond_correct", "cond_total")
+                          for k in range(ttt_steps)]
+    t = torch.tensor([float(sums.get(k, 0)) for k in keys], device=device, dtype=torch.float64)
     dist.all_reduce(t)
     return dict(zip(keys, t.tolist()))
 
@@ -247,7 +249,9 @@ class Trainer:
                 model, device_ids=[device.index] if device.type == "cuda" else None)
         self.opt = torch.optim.AdamW(model.trainable_parameters(), lr=cfg.lr, betas=(0.9, 0.95),
                                      weight_decay=cfg.weight_decay, fused=device.type == "cuda")
-        self.epoch_bins = [pack(train_idx, lengths, cfg.max_tokens_per_step, cfg.seed, e) for e in range(cfg.epochs)]
+        # every rank must run the same number of micro-batches (DDP all-reduces each backward)
+        self.epoch_bins = [b[:len(b) - len(b) % world] for b in
+                           (pack(train_idx, lengths, cfg.max_tokens_per_step, cfg.seed, e) for e in range(cfg.epochs))]
         steps_per_epoch = [math.ceil(len(b) / world / cfg.grad_accum) for b in self.epoch_bins]
         self.total_steps = sum(steps_per_epoch)
         if cfg.max_steps:
@@ -313,7 +317,7 @@ class Trainer:
                     _, m = ttt_loss(self.model, batch, self.cfg.ttt_steps, self.cfg.ttt_decay)
                 accumulate(sums, m)
         self.model.train()
-        val = summarize(all_reduce_sums(sums, self.device), self.cfg.ttt_steps)
+        val = summarize(all_reduce_sums(sums, self.device, self.cfg.ttt_steps), self.cfg.ttt_steps)
         row = {"kind": "val", "step": self.state["step"], "epoch": self.state["epoch"], **val}
         self._write_metrics(row)
         k = self.cfg.ttt_steps
