@@ -140,24 +140,6 @@ def extract(extractor, todo, records, out_dir, meta, cfg, log):
     return stats
 
 
-def load_head(model_dir, text_cfg):
-    """(final norm weight, lm_head weight) read straight from the checkpoint: no full model load."""
-    from safetensors import safe_open
-    folder = Path(model_dir)
-    index = folder / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else \
-        [p.name for p in folder.glob("*.safetensors")]
-    found = {}
-    for name in files:
-        with safe_open(str(folder / name), "pt") as fh:
-            for key in fh.keys():
-                if key.endswith("lm_head.weight") or key.endswith("embed_tokens.weight") or \
-                        (key.endswith("norm.weight") and ".layers." not in key and "vision" not in key):
-                    found[key.rsplit(".", 2)[-2] if "norm" in key else key.split(".")[-2]] = fh.get_tensor(key)
-    head = found.get("lm_head", found.get("embed_tokens"))
-    return found["norm"], head
-
-
 def self_check(model_dir, text_cfg, out_dir, indices, log):
     """Agreement of argmax(lm_head(norm(h_N))) with the next token, on loss-masked positions.
 
@@ -166,7 +148,9 @@ def self_check(model_dir, text_cfg, out_dir, indices, log):
     """
     from common.hidden_states import read_sample
     try:
-        norm_w, head = load_head(model_dir, text_cfg)
+        from common.models import load_verifier_pieces
+        w = load_verifier_pieces(model_dir)
+        norm_w, head = w["norm.weight"], w["lm_head.weight"]
     except Exception as exc:  # remote-code checkpoints with unusual names: report, do not fail
         log.warning("self-check skipped: cannot read final norm / lm_head (%s)", exc)
         return None

@@ -144,3 +144,25 @@ def tokenizer_identity(tok):
     vocab = json.dumps(sorted(tok.get_vocab().items(), key=lambda kv: kv[1]))
     return {"name_or_path": str(tok.name_or_path), "vocab_size": len(tok), "vocab_hash": sha256_text(vocab),
             "eos_token": tok.eos_token, "chat_template_hash": sha256_text(tok.chat_template or "")}
+
+
+def load_verifier_pieces(model_dir):
+    """embed_tokens, lm_head (or the tied embedding) and the final norm, read straight from safetensors."""
+    from safetensors import safe_open
+    folder = Path(model_dir)
+    index = folder / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else \
+        [p.name for p in folder.glob("*.safetensors")]
+    found = {}
+    for name in files:
+        with safe_open(str(folder / name), "pt") as fh:
+            for key in fh.keys():
+                if "vision" in key or ".layers." in key or "mtp" in key:
+                    continue
+                for want in ("embed_tokens.weight", "lm_head.weight", "norm.weight"):
+                    if key.endswith(want) and want not in found:
+                        found[want] = fh.get_tensor(key)
+    if "embed_tokens.weight" not in found or "norm.weight" not in found:
+        raise UsageError(f"cannot find embed_tokens / final norm weights in {model_dir}")
+    found.setdefault("lm_head.weight", found["embed_tokens.weight"])  # tied embeddings
+    return found

@@ -16,6 +16,7 @@ from common.draft import DraftGeometry, Eagle3Draft, acceptance_length, ttt_loss
 from common.errors import UsageError
 from common.io import write_json_atomic
 from common.log import fmt_duration
+from common.models import load_verifier_pieces
 from common.train_data import make_loader, pack, to_device
 
 
@@ -37,28 +38,6 @@ def geometry(cfg, text_cfg, draft_vocab, num_aux):
     if g.num_heads % g.num_kv_heads:
         raise UsageError(f"draft heads {g.num_heads} must be a multiple of draft KV heads {g.num_kv_heads}")
     return g
-
-
-def load_verifier_pieces(model_dir):
-    """embed_tokens, lm_head (or the tied embedding) and the final norm, read straight from safetensors."""
-    from safetensors import safe_open
-    folder = Path(model_dir)
-    index = folder / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else \
-        [p.name for p in folder.glob("*.safetensors")]
-    found = {}
-    for name in files:
-        with safe_open(str(folder / name), "pt") as fh:
-            for key in fh.keys():
-                if "vision" in key or ".layers." in key or "mtp" in key:
-                    continue
-                for want in ("embed_tokens.weight", "lm_head.weight", "norm.weight"):
-                    if key.endswith(want) and want not in found:
-                        found[want] = fh.get_tensor(key)
-    if "embed_tokens.weight" not in found or "norm.weight" not in found:
-        raise UsageError(f"cannot find embed_tokens / final norm weights in {model_dir}")
-    found.setdefault("lm_head.weight", found["embed_tokens.weight"])  # tied embeddings
-    return found
 
 
 def build_model(g, model_dir, target_ids):
