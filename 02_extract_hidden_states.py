@@ -11,7 +11,7 @@ from pathlib import Path
 from common.errors import UsageError, run_main
 from common.extract import (HfExtractor, VllmExtractor, check_layer_ids, default_layer_ids, extract, file_meta,
                             load_prepared, self_check)
-from common.hidden_states import disk_estimate, is_valid, sample_path
+from common.hidden_states import LAYER_CONVENTION, disk_estimate, is_valid, sample_path
 from common.io import check_free_disk, sha256_text, write_json_atomic, write_manifest
 from common.log import fmt_duration
 from common.models import load_verifier_config, resolve_verifier
@@ -101,7 +101,7 @@ def finish(cfg, log, out, records, params, params_hash, model_dir, text_cfg, sta
     check = self_check(model_dir, text_cfg, out, present[:cfg.self_check_samples], log) \
         if cfg.self_check_samples and present else None
     total_tokens = sum(len(records[i]["input_ids"]) for i in present)
-    write_manifest(out, "extract", params, layer_convention=file_meta(cfg, [], 0, "", "")["layer_convention"],
+    write_manifest(out, "extract", params, layer_convention=LAYER_CONVENTION,
                    verifier_config={"num_hidden_layers": text_cfg.num_hidden_layers, "hidden_size": text_cfg.hidden_size,
                                     "vocab_size": getattr(text_cfg, "vocab_size", None)},
                    params_hash=params_hash,
