@@ -1,6 +1,5 @@
 """Stage 5 logic: acceptance of the trained draft in vLLM, read from vLLM's own metrics."""
 import gc
-import json
 import time
 from pathlib import Path
 
@@ -101,4 +100,3 @@ def save_results(out_dir, rows, meta):
     from common.io import write_json_atomic
     write_json_atomic(Path(out_dir) / "acceptance.json", {**meta, "results": rows})
     (Path(out_dir) / "acceptance.md").write_text(markdown_table(rows, meta["eval_dataset"]))
-    return json.dumps(rows)
