@@ -22,7 +22,8 @@ from common.io import read_manifest, write_manifest
 from common.models import load_verifier_config, resolve_verifier
 from common.stage import ensure_writable, start
 from common.train_data import split_samples
-from common.trainer import Trainer, build_model, dist_setup, geometry, load_checkpoint, plot_curves
+from common.trainer import (Trainer, build_model, dist_setup, geometry, latest_checkpoint, load_weights,
+                            plot_curves)
 
 
 def read_inputs(cfg):
@@ -112,8 +113,11 @@ def main():
         return 0
     best = out / "checkpoints" / f"step_{state['best_step']}" if state.get("best_step") is not None else None
     final_val = [json.loads(l) for l in trainer.metrics_path.read_text().splitlines() if '"val"' in l]
+    if trainer.fsdp:  # the trained model is sharded: export from the last checkpoint into a plain copy
+        model = build_model(g, model_dir, target_ids)
+        load_weights(latest_checkpoint(out / "checkpoints"), model)
     if best and best.exists():
-        load_checkpoint(best, model, trainer.opt, trainer.sched)
+        load_weights(best, model)
         log.info("exporting the best checkpoint %s (simulated acceptance length %.3f)", best.name, state["best"])
     plot_curves(trainer.metrics_path, out / "curves.png", cfg.ttt_steps)
     return finish(cfg, log, model, g, layer_ids, model_dir, text_cfg, state, final_val, out, time.time() - t0,

@@ -6,8 +6,14 @@ Synthetic but realistic packed batches: documents of 200..2048 tokens, ~60% loss
 --warmup, synchronised on CUDA. Prints one table and writes JSON.
 
   python bench/train_throughput.py --geometry smollm2 --tokens 2048 --draft-vocab 4096      # CPU
-  python bench/train_throughput.py --geometry kimi --tokens 8192 --device cuda               # one H200
+  python bench/train_throughput.py --geometry kimi --draft-vocab 32000 --tokens 4096 8192 16384 --device cuda
+
+Variants of ours (--variants): "sdpa" = eager, per-document SDPA; "flex" = flex attention; "flex+compile"
+= flex attention plus compiled norms/SwiGLU/RoPE (what 04_train.py runs on a GPU by default).
+MFU counts the standard algorithm's FLOPs (every position, every TTT step; flops_per_token below) for
+every implementation, so it compares wall time on equal work; ours skips part of that work.
 """
+import os
 import argparse
 import json
 import statistics
@@ -18,7 +24,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.draft import DraftGeometry, Eagle3Draft, ttt_loss  # noqa: E402
+from common import draft  # noqa: E402
+from common.draft import DraftGeometry, Eagle3Draft, optimize_for_gpu, ttt_loss  # noqa: E402
 
 GEOMETRIES = {
     "smollm2": dict(hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64, intermediate_size=1536,
@@ -29,16 +36,20 @@ GEOMETRIES = {
 
 
 def make_batch(T, g, device, seed):
+    """Documents of 200..2048 tokens; each a prompt (unmasked) then an answer (masked), ~60% of tokens."""
     gen = torch.Generator().manual_seed(seed)
     docs, a = [], 0
     while a < T:
         n = min(int(torch.randint(200, 2049, (1,), generator=gen)), T - a)
         docs.append((a, a + n))
         a += n
+    mask = torch.zeros(T, dtype=torch.long)
+    for a, b in docs:
+        mask[a + int((b - a) * float(torch.empty(1).uniform_(0.25, 0.55, generator=gen))):b] = 1
     return {"aux": torch.randn(T, 3 * g.hidden_size, generator=gen).to(device),
             "ids": torch.randint(0, g.verifier_vocab_size, (T,), generator=gen).to(device),
             "target_hidden": torch.randn(T, g.hidden_size, generator=gen).to(device),
-            "loss_mask": (torch.rand(T, generator=gen) < 0.6).long().to(device),
+            "loss_mask": mask.to(device),
             "doc": torch.cat([torch.full((b - a,), j) for j, (a, b) in enumerate(docs)]).to(device),
             "pos": torch.cat([torch.arange(1, b - a + 1) for a, b in docs]).to(device), "docs": docs}
 
@@ -58,18 +69,73 @@ def timed(step, n_warm, n, device):
     return statistics.median(times)
 
 
-def ours(g, batch, device, args):
+def flops_per_token(g, ttt, mask_frac=0.6):
+    """Training FLOPs per packed token of the standard EAGLE-3 step (all positions at every TTT step).
+
+    per TTT step, forward multiply-adds: q/k/v 2H x (Hq + 2 Hkv) hd, o Hq hd x H, MLP 3 H I,
+    draft lm_head H x V_draft; attention 2 x Hq hd x (mean causal context), context ~ doc/2 ~ 500.
+    backward = 2x forward for trainable weights; the frozen lm_head needs only its input gradient (1x).
+    once: fc 3H x H (trainable, x3), verifier head H x V_draft at masked positions (forward only).
+    """
+    H, hd, I, V = g.hidden_size, g.head_dim, g.intermediate_size, g.draft_vocab_size
+    layer = 2 * H * (g.num_heads + 2 * g.num_kv_heads) * hd + g.num_heads * hd * H + 3 * H * I
+    attn = 2 * g.num_heads * hd * 500
+    per_step = 3 * (layer + attn) + 2 * H * V
+    return 2 * (ttt * per_step + 3 * 3 * H * H + mask_frac * H * V)
+
+
+def matmul_ceiling(device, n=8192):
+    """Measured bf16 matmul FLOP/s (median of 10 n x n x n products)."""
+    a, b = torch.randn(n, n, device=device, dtype=torch.bfloat16), torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    sec = timed(lambda: a @ b, 3, 10, device)
+    return 2 * n ** 3 / sec
+
+
+def ours(g, batch, device, args, variant="flex+compile"):
+    os.environ["EAGLE3_ATTN"] = "sdpa" if variant == "sdpa" else "flex"
     model = Eagle3Draft(g).to(device)
+    if device.type == "cuda":
+        optimize_for_gpu(model, compile_layers="compile" in variant)
     opt = torch.optim.AdamW(model.trainable_parameters(), lr=1e-4, fused=device.type == "cuda")
     ctx = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
 
     def step():
         with ctx:
-            loss, _ = ttt_loss(model, batch, args.ttt, 0.8)
+            loss, _ = model(batch, args.ttt, 0.8)
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.trainable_parameters(), 0.5)
         opt.step()
         opt.zero_grad(set_to_none=True)
     return step
+
+
+def numerical_check(g, batch, device, args):
+    """Loss and gradients of the optimised step vs the plain one (eager SDPA), both bf16 autocast,
+    and vs fp32 eager, from the same weights: relative errors printed."""
+    out = {}
+    torch.manual_seed(0)
+    base = Eagle3Draft(g)
+    for name, variant, amp in (("fp32 eager", "sdpa", False), ("bf16 eager", "sdpa", True),
+                               ("bf16 flex+compile", "flex+compile", True)):
+        os.environ["EAGLE3_ATTN"] = "sdpa" if variant == "sdpa" else "flex"
+        m = Eagle3Draft(g)
+        m.load_state_dict(base.state_dict())
+        m = m.to(device)
+        optimize_for_gpu(m, compile_layers="compile" in variant)
+        with torch.autocast("cuda", torch.bfloat16, enabled=amp):
+            loss, _ = m(batch, args.ttt, 0.8)
+        loss.backward()
+        out[name] = (loss.item(), [p.grad.float().clone() for p in m.trainable_parameters()])
+        del m
+    ref_loss, ref_grads = out["fp32 eager"]
+    rows = {}
+    for name, (loss, grads) in out.items():
+        err = max(((a - b).norm() / b.norm()).item() for a, b in zip(grads, ref_grads))
+        rows[name] = {"loss": loss, "loss_rel_err": abs(loss - ref_loss) / abs(ref_loss), "max_grad_rel_err": err}
+        print(f"check {name:18s} loss {loss:.6f}  rel err {rows[name]['loss_rel_err']:.2e}  "
+              f"max grad rel err {err:.2e} (vs fp32 eager)", flush=True)
+    draft.rope = draft._rope
+    return rows
 
 
 def speculators_step(g, batch, device, args):
@@ -118,35 +184,59 @@ def main():
     ap.add_argument("--draft-vocab", type=int, default=4096)
     ap.add_argument("--ttt", type=int, default=3)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--variants", nargs="+", default=["flex+compile"], choices=["sdpa", "flex", "flex+compile"])
     ap.add_argument("--skip-speculators", action="store_true")
+    ap.add_argument("--check", action="store_true", help="GPU: compare loss/gradients of the variants first")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     device = torch.device(args.device)
     g = DraftGeometry(**GEOMETRIES[args.geometry], draft_vocab_size=args.draft_vocab)
-    rows = []
+    fpt = flops_per_token(g, args.ttt)
+    ceiling = matmul_ceiling(device) if device.type == "cuda" else float("nan")
+    print(f"{args.geometry}: {fpt / 1e9:.2f} GFLOP per token (standard step, TTT {args.ttt}); "
+          f"bf16 matmul ceiling {ceiling / 1e12:.0f} TFLOP/s", flush=True)
+    result = {"geometry": args.geometry, "device": str(device), "draft_vocab": args.draft_vocab,
+              "gflop_per_token": fpt / 1e9, "ceiling_tflops": ceiling / 1e12, "rows": []}
+    if device.type == "cuda":
+        result["gpu"] = torch.cuda.get_device_name(device)
+    if args.check and device.type == "cuda":
+        result["check"] = numerical_check(g, make_batch(min(args.tokens), g, device, seed=1), device, args)
+    rows = result["rows"]
     for T in args.tokens:
         batch = make_batch(T, g, device, seed=T)
-        impls = [("ours", ours)] + ([] if args.skip_speculators else [("speculators 0.9.0", speculators_step)])
-        for name, make in impls:
+        impls = [(f"ours {v}" if device.type == "cuda" else "ours", ours, v)
+                 for v in (args.variants if device.type == "cuda" else ["sdpa"])]
+        impls += [] if args.skip_speculators else [("speculators 0.9.0", speculators_step, None)]
+        for name, make, variant in impls:
             torch.manual_seed(0)
             if device.type == "cuda":
+                torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
-            step = make(g, batch, device, args)
-            sec = timed(step, args.warmup, args.steps, device)
+            try:
+                step = make(g, batch, device, args, variant) if variant else make(g, batch, device, args)
+                sec = timed(step, args.warmup, args.steps, device)
+            except torch.OutOfMemoryError:
+                print(f"{name:24s} T={T:6d}  out of memory", flush=True)
+                rows.append({"impl": name, "tokens": T, "oom": True})
+                step = None
+                continue
             mem = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+            mfu = T / sec * fpt / ceiling if device.type == "cuda" else float("nan")
             rows.append({"impl": name, "tokens": T, "step_s": round(sec, 4), "tokens_per_s": round(T / sec, 1),
-                         "peak_gib": round(mem, 2)})
-            print(f"{name:18s} T={T:6d}  {sec:8.3f} s/step  {T / sec:10.1f} tokens/s  peak {mem:.2f} GiB", flush=True)
+                         "peak_gib": round(mem, 2), "mfu": round(mfu, 3)})
+            print(f"{name:24s} T={T:6d}  {sec:8.3f} s/step  {T / sec:10.1f} tokens/s  peak {mem:6.2f} GiB  "
+                  f"MFU {mfu:.2f}", flush=True)
             del step
-    base = {r["tokens"]: r["tokens_per_s"] for r in rows if r["impl"] != "ours"}
+    base = {r["tokens"]: r for r in rows if r["impl"].startswith("speculators") and not r.get("oom")}
     for r in rows:
-        if r["impl"] == "ours" and r["tokens"] in base:
-            print(f"T={r['tokens']}: ours / speculators = {r['tokens_per_s'] / base[r['tokens']]:.2f}x")
+        if r["impl"].startswith("ours") and r["tokens"] in base and not r.get("oom"):
+            b = base[r["tokens"]]
+            print(f"T={r['tokens']}: {r['impl']} / speculators = {r['tokens_per_s'] / b['tokens_per_s']:.2f}x tokens/s, "
+                  f"{r['peak_gib'] / b['peak_gib']:.2f}x memory")
     if args.json:
-        Path(args.json).write_text(json.dumps({"geometry": args.geometry, "device": str(device),
-                                               "draft_vocab": args.draft_vocab, "rows": rows}, indent=1))
+        Path(args.json).write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

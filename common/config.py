@@ -119,6 +119,10 @@ OPTIONS = [
     Opt("norm_before_residual", _bool, True, "draft layer normalises the hidden input before the residual",
         stages="4", flag=True),
     Opt("device", str, "auto", "training device: auto, cpu, cuda", stages="4"),
+    Opt("parallel", str, "ddp", "several processes (torchrun): ddp replicates the draft, fsdp shards its "
+        "trainable weights, gradients and optimizer state", stages="4", choices=("ddp", "fsdp")),
+    Opt("compile", _bool, True, "GPU: fused kernels via torch.compile and block-sparse flex attention",
+        stages="4", flag=True),
     Opt("num_threads", int, 0, "CPU threads for torch (0 = all cores)", stages="45"),
     # stage 5
     Opt("eval_dataset", str, "mtbench", "evaluation prompts: 'mtbench', 'prepared' (this run's own prompts) or a JSONL of prompts/conversations",

@@ -52,7 +52,7 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rope(x, pos, theta):
+def _rope(x, pos, theta):
     """Rotate-half RoPE as in transformers' Llama. x [.., T, D], pos [T]."""
     d = x.shape[-1]
     inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
@@ -61,6 +61,9 @@ def rope(x, pos, theta):
     cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
     x1, x2 = x[..., : d // 2], x[..., d // 2:]
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+rope = _rope  # optimize_for_gpu swaps in a compiled version
 
 
 class Attention(nn.Module):
@@ -72,42 +75,96 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(2 * g.hidden_size, g.num_kv_heads * g.head_dim, bias=False)
         self.o_proj = nn.Linear(g.num_heads * g.head_dim, g.hidden_size, bias=False)
 
-    def forward(self, x, pos, docs, cache):
-        """x [T, 2H]; pos [T]; docs: list of (start, end); cache: list of (k, v) of earlier TTT steps."""
-        g, T = self.g, x.shape[0]
-        q = self.q_proj(x).view(T, g.num_heads, g.head_dim).transpose(0, 1)
-        k = self.k_proj(x).view(T, g.num_kv_heads, g.head_dim).transpose(0, 1)
-        v = self.v_proj(x).view(T, g.num_kv_heads, g.head_dim).transpose(0, 1)
-        q, k = rope(q, pos, g.rope_theta), rope(k, pos, g.rope_theta)
-        cache.append((k, v))
-        rep = g.num_heads // g.num_kv_heads
-        out = torch.empty_like(q)
-        for a, b in docs:
-            ks = torch.cat([ck[:, a:b] for ck, _ in cache], dim=1)
-            vs = torch.cat([cv[:, a:b] for _, cv in cache], dim=1)
-            if rep > 1:
-                ks, vs = ks.repeat_interleave(rep, 0), vs.repeat_interleave(rep, 0)
-            if len(cache) == 1:
-                out[:, a:b] = F.scaled_dot_product_attention(q[:, a:b], ks, vs, is_causal=True)
+    def forward(self, x, xq, pos, qpos, plan, step):
+        """x [N, 2H] the step's rows (keys/values); xq [Nq, 2H] its query rows; pos/qpos their positions."""
+        g = self.g
+        q = self.q_proj(xq).view(-1, g.num_heads, g.head_dim).transpose(0, 1)
+        k = self.k_proj(x).view(-1, g.num_kv_heads, g.head_dim).transpose(0, 1)
+        v = self.v_proj(x).view(-1, g.num_kv_heads, g.head_dim).transpose(0, 1)
+        q, k = rope(q, qpos, g.rope_theta), rope(k, pos, g.rope_theta)
+        plan.cache.append((k, v))
+        out = plan.attend(q, step)
+        return self.o_proj(out.transpose(0, 1).reshape(q.shape[1], -1))
+
+
+class TTTPlan:
+    """Which rows each TTT step computes, and which keys each query sees.
+
+    Step 0 computes keys/values at every position (all later queries attend to them causally within
+    their document) but queries, MLP and logits only at rows[0]. Step k >= 1 computes only rows[k]:
+    positions with a loss target at some step j >= k, so rows[k+1] is a subset of rows[k]. A query of
+    step k at position i sees the step-0 keys i' <= i of its document plus its own keys of steps 1..k
+    (the "diagonal" of speculators' extended mask). Identical maths to computing every row.
+    """
+
+    def __init__(self, T, doc, docs, rows, backend="sdpa"):
+        self.T, self.doc, self.docs, self.rows, self.backend = T, doc, docs, rows, backend
+        self.cache = []
+        self.lookup = []
+        for r in rows:  # original position -> row index within rows[j]
+            lk = torch.full((T,), -1, dtype=torch.long, device=doc.device)
+            lk[r] = torch.arange(len(r), device=doc.device)
+            self.lookup.append(lk)
+        bounds = torch.tensor([a for a, _ in docs] + [docs[-1][1]], device=doc.device)
+        self.doc_ranges = [torch.searchsorted(r, bounds).tolist() for r in rows]
+
+    def attend(self, q, step):
+        if self.backend == "flex":
+            return flex_attend(self, q, step)
+        return self.attend_sdpa(q, step)
+
+    def attend_sdpa(self, q, step):
+        """Per document: SDPA over its step-0 keys plus the diagonal keys; cost grows with document length."""
+        q_orig, ranges, out = self.rows[step], self.doc_ranges[step], torch.empty_like(q)
+        k0, v0 = self.cache[0]
+        for d, (a, b) in enumerate(self.docs):
+            lo, hi = ranges[d], ranges[d + 1]
+            if lo == hi:
+                continue
+            qi = q_orig[lo:hi]
+            ks, vs = [k0[:, a:b]], [v0[:, a:b]]
+            for j in range(1, step + 1):
+                sel = self.lookup[j][qi]
+                ks.append(self.cache[j][0][:, sel])
+                vs.append(self.cache[j][1][:, sel])
+            ks, vs = torch.cat(ks, 1), torch.cat(vs, 1)
+            if step == 0 and hi - lo == b - a:
+                o = F.scaled_dot_product_attention(q[:, lo:hi], ks, vs, is_causal=True, enable_gqa=True)
             else:
-                out[:, a:b] = F.scaled_dot_product_attention(q[:, a:b], ks, vs, attn_mask=ttt_mask(b - a, len(cache),
-                                                                                                      q.device))
-        return self.o_proj(out.transpose(0, 1).reshape(T, -1))
+                causal = torch.arange(a, b, device=q.device)[None, :] <= qi[:, None]
+                eye = torch.eye(hi - lo, dtype=torch.bool, device=q.device)
+                mask = torch.cat([causal] + [eye] * step, dim=1)
+                o = F.scaled_dot_product_attention(q[:, lo:hi], ks, vs, attn_mask=mask, enable_gqa=True)
+            out[:, lo:hi] = o
+        return out
 
 
-_MASKS = {}
+_FLEX = None
 
 
-def ttt_mask(n, steps, device):
-    """[n, steps*n] bool: causal over step-0 keys, then the diagonal for each later step."""
-    key = (n, steps, str(device))
-    if key not in _MASKS:
-        if len(_MASKS) > 64:
-            _MASKS.clear()
-        causal = torch.ones(n, n, dtype=torch.bool, device=device).tril()
-        eye = torch.eye(n, dtype=torch.bool, device=device)
-        _MASKS[key] = torch.cat([causal] + [eye] * (steps - 1), dim=1)
-    return _MASKS[key]
+def flex_attend(plan, q, step):
+    """GPU: one flex-attention call over [step-0 keys | diagonal keys of steps 1..step], block-sparse."""
+    global _FLEX
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    if _FLEX is None:
+        _FLEX = torch.compile(flex_attention, dynamic=True)
+    dev, T = q.device, plan.T
+    ks = torch.cat([plan.cache[j][0] for j in range(step + 1)], 1)
+    vs = torch.cat([plan.cache[j][1] for j in range(step + 1)], 1)
+    pad = 256  # the kernel may read a block past the end: padded entries are valid indices, masked out
+    kv_orig = torch.cat([torch.arange(T, device=dev)] + list(plan.rows[1:step + 1]) + [torch.zeros(pad, dtype=torch.long, device=dev)])
+    kv_step = torch.cat([torch.zeros(T, dtype=torch.long, device=dev)] +
+                        [torch.full((len(plan.rows[j]),), j, device=dev) for j in range(1, step + 1)] +
+                        [torch.full((pad,), -1, device=dev)])
+    q_orig = torch.cat([plan.rows[step], torch.zeros(pad, dtype=torch.long, device=dev)])
+    doc = plan.doc
+
+    def mask_mod(b, h, qi, ki):
+        qo, ko, ks_ = q_orig[qi], kv_orig[ki], kv_step[ki]
+        return ((ks_ == 0) & (doc[ko] == doc[qo]) & (ko <= qo)) | ((ks_ > 0) & (ko == qo))
+
+    bm = create_block_mask(mask_mod, None, None, q.shape[1], ks.shape[1], device=dev)
+    return _FLEX(q[None], ks[None], vs[None], block_mask=bm, enable_gqa=q.shape[0] != ks.shape[0])[0]
 
 
 class MLP(nn.Module):
@@ -131,11 +188,14 @@ class DecoderLayer(nn.Module):
         self.hidden_norm = RMSNorm(g.hidden_size, g.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(g.hidden_size, g.rms_norm_eps)
 
-    def forward(self, embeds, hidden, pos, docs, cache):
+    def forward(self, embeds, hidden, pos, plan, step, qsel=None):
+        """Rows of one TTT step -> outputs at its query rows (qsel: indices into the rows; None = all)."""
         normed = self.hidden_norm(hidden)
         residual = normed if self.g.norm_before_residual else hidden
         x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)
-        h = residual + self.self_attn(x, pos, docs, cache)
+        xq, qpos = (x, pos) if qsel is None else (x[qsel], pos[qsel])
+        residual = residual if qsel is None else residual[qsel]
+        h = residual + self.self_attn(x, xq, pos, qpos, plan, step)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -165,27 +225,85 @@ class Eagle3Draft(nn.Module):
     def trainable_parameters(self):
         return [p for p in self.parameters() if p.requires_grad]
 
-    def step_logits(self, ids, hidden, pos, docs, cache):
-        """One TTT step: -> (next hidden [T, H], draft logits [T, draft_vocab])."""
-        h = self.layers[0](self.embed_tokens(ids), hidden, pos, docs, cache)
-        return h, self.lm_head(self.norm(h))
-
     def forward(self, batch, ttt_steps, decay):
         """Training: -> (loss, metrics); see ttt_loss. A forward() so DDP can wrap the model."""
         return ttt_loss(self, batch, ttt_steps, decay)
 
-    def unroll(self, aux, ids, pos, docs, ttt_steps):
-        """Inference-style unroll with teacher forcing. aux [T, 3H]; ids/pos [T]. -> list of logits per step."""
-        hidden, cache, out = self.fc(aux), [], []
-        for k in range(ttt_steps):
-            hidden, logits = self.step_logits(shift(ids, k), hidden, pos + k, docs, cache)
-            out.append(logits)
-        return out
+    def run_steps(self, aux, ids, pos, plan):
+        """Teacher-forced TTT unroll over plan.rows; yields (step, output hidden [len(rows[k]), H])."""
+        hidden = self.fc(aux)
+        layer = self.layers[0]
+        h = layer(self.embed_tokens(ids), hidden, pos, plan, 0, qsel=plan.rows[0])
+        yield 0, h
+        for k in range(1, len(plan.rows)):
+            rows = plan.rows[k]
+            # rows[k] is a subset of rows[k-1]: carry each row's hidden state forward
+            h = layer(self.embed_tokens(ids[rows + k]), h[plan.lookup[k - 1][rows]], pos[rows] + k, plan, k)
+            yield k, h
+
+    def unroll(self, aux, ids, pos, doc, docs, ttt_steps):
+        """Logits at every start position per TTT step (step k: positions 0..T-k-1), teacher forced."""
+        T = ids.shape[0]
+        rows = [torch.arange(T - k, device=ids.device) for k in range(ttt_steps)]
+        plan = TTTPlan(T, doc, docs, rows, attention_backend(ids.device))
+        return [self.lm_head(self.norm(h)) for _, h in self.run_steps(aux, ids, pos, plan)]
 
 
-def shift(ids, k):
-    """Token k positions ahead (teacher forcing for TTT step k), zero-padded at the end."""
-    return ids if k == 0 else torch.cat([ids[k:], ids.new_zeros(k)])
+def optimize_for_gpu(model, compile_layers=True):
+    """CUDA: frozen pieces in bf16 (they never update; halves their memory), and the elementwise chains
+    (RMSNorms, SwiGLU, RoPE) compiled into fused kernels. Module.compile keeps the weight names."""
+    for m in (model.embed_tokens, model.lm_head, model.verifier_lm_head):
+        m.to(torch.bfloat16)
+    if compile_layers:
+        layer = model.layers[0]
+        for m in (layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm, layer.mlp, model.norm,
+                  model.verifier_norm):
+            m.compile(dynamic=True)
+    global rope
+    rope = torch.compile(_rope, dynamic=True) if compile_layers else _rope
+    return model
+
+
+def attention_backend(device):
+    """flex attention (compiled, block-sparse) on CUDA; per-document SDPA elsewhere or when EAGLE3_ATTN=sdpa."""
+    import os
+    want = os.environ.get("EAGLE3_ATTN", "auto")
+    return "flex" if want == "flex" or (want == "auto" and device.type == "cuda") else "sdpa"
+
+
+def loss_rows(mask0, doc, ttt_steps):
+    """valid[k][i]: start i has a target at step k (mask at i+k, same document); rows[k]: starts step k
+    must compute, i.e. those with a target at some step j >= k."""
+    T = mask0.shape[0]
+    valid = []
+    for k in range(ttt_steps):
+        v = torch.zeros(T, dtype=torch.bool, device=mask0.device)
+        v[:T - k] = mask0[k:] & (doc[:T - k] == doc[k:])
+        valid.append(v)
+    rows, need = [None] * ttt_steps, torch.zeros(T, dtype=torch.bool, device=mask0.device)
+    for k in reversed(range(ttt_steps)):
+        need = need | valid[k]
+        rows[k] = need.nonzero().squeeze(1)
+    return valid, rows
+
+
+class SoftKL(torch.autograd.Function):
+    """Per-row KL(target || softmax(logits)) with the gradient written out: softmax(logits) - p.
+
+    Autograd's version keeps fp32 log-probs and gathered targets per TTT step ([rows, draft vocab]
+    each, the largest activations of a big-vocab draft); this keeps only the logits and targets."""
+
+    @staticmethod
+    def forward(ctx, logits, target_logp):
+        logp = logits.float().log_softmax(-1)
+        ctx.save_for_backward(logits, target_logp)
+        return (target_logp.exp() * (target_logp - logp)).sum(-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, target_logp = ctx.saved_tensors
+        g = (logits.float().softmax(-1) - target_logp.exp()) * grad[:, None]
+        return g.to(logits.dtype), None
 
 
 def ttt_loss(model, batch, ttt_steps, decay):
@@ -193,42 +311,39 @@ def ttt_loss(model, batch, ttt_steps, decay):
 
     batch: aux [T, 3H], ids [T] (token i+1), target_hidden [T, H] (verifier h_N at i+1),
     loss_mask [T], doc [T] document index, pos [T], docs [(start, end)].
-    The vocab projections (the bulk of the FLOPs) run only at loss-masked positions: teacher
-    forcing feeds ground-truth tokens forward, so other positions need no logits at all.
+    Teacher forcing feeds ground-truth tokens forward, so a start position needs computing at step k
+    only if it has a loss target at step k or later: the layer runs on those rows only (step 0 keeps
+    keys/values everywhere), the vocab projections only at loss-masked targets.
     """
-    aux, ids, pos, docs = batch["aux"], batch["ids"], batch["pos"], batch["docs"]
+    aux, ids, pos, doc = batch["aux"], batch["ids"], batch["pos"], batch["doc"]
+    T = ids.shape[0]
     mask0 = batch["loss_mask"].bool()
+    valid, rows = loss_rows(mask0, doc, ttt_steps)
     tpos = mask0.nonzero().squeeze(1)
     with torch.no_grad():
         t_logits = model.verifier_lm_head(model.verifier_norm(batch["target_hidden"][tpos])).float()
         target_ids = t_logits.argmax(-1)
         target_logp = t_logits.log_softmax(-1)
-        target_p = target_logp.exp()
         row_of = torch.full_like(ids, -1)
         row_of[tpos] = torch.arange(len(tpos), device=ids.device)
-    hidden, cache = model.fc(aux), []
-    T = ids.shape[0]
+    plan = TTTPlan(T, doc, batch["docs"], rows, attention_backend(ids.device))
     chain_ok = torch.ones(T, dtype=torch.bool, device=ids.device)  # drafts 0..k-1 right from start i
     total, metrics = 0.0, {}
-    for k in range(ttt_steps):
-        hidden = model.layers[0](model.embed_tokens(shift(ids, k)), hidden, pos + k, docs, cache)
-        n = T - k
-        # logits at start i predict what the verifier says at i + k; both in the same document
-        m = mask0[k:] & (batch["doc"][:n] == batch["doc"][k:])
-        sel = m.nonzero().squeeze(1)
-        rows = row_of[sel + k]
-        logp = model.lm_head(model.norm(hidden[sel])).float().log_softmax(-1)
-        kl = (target_p[rows] * (target_logp[rows] - logp)).sum(-1)
-        step_loss = kl.sum() / max(len(sel), 1)
+    for k, h in model.run_steps(aux, ids, pos, plan):
+        local = valid[k][rows[k]].nonzero().squeeze(1)  # rows of h with a target at this step
+        sel = rows[k][local]
+        logits = model.lm_head(model.norm(h[local]))
+        tr = row_of[sel + k]
+        step_loss = SoftKL.apply(logits, target_logp[tr]).sum() / max(len(sel), 1)
         total = total + (decay ** k) * step_loss
         with torch.no_grad():
             correct = torch.zeros(T, dtype=torch.bool, device=ids.device)
-            correct[sel] = logp.argmax(-1) == target_ids[rows]
-            chain = chain_ok[:n] & m
+            correct[sel] = logits.argmax(-1) == target_ids[tr]
+            chain = chain_ok & valid[k]
             metrics[f"loss_{k}"] = step_loss.detach()
-            metrics[f"full_correct_{k}"] = (correct[:n] & chain).sum()  # drafts 0..k all right
-            metrics[f"full_total_{k}"] = m.sum()
-            metrics[f"cond_correct_{k}"] = (correct[:n] & chain).sum()
+            metrics[f"full_correct_{k}"] = (correct & chain).sum()  # drafts 0..k all right
+            metrics[f"full_total_{k}"] = valid[k].sum()
+            metrics[f"cond_correct_{k}"] = (correct & chain).sum()
             metrics[f"cond_total_{k}"] = chain.sum()
             chain_ok = chain_ok & correct
     return total, metrics

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from common.draft import DraftGeometry, Eagle3Draft, acceptance_length, ttt_loss
+from common.draft import DraftGeometry, Eagle3Draft, acceptance_length, optimize_for_gpu
 from common.errors import UsageError
 from common.io import write_json_atomic
 from common.log import fmt_duration
@@ -81,19 +81,31 @@ def set_rng_state(s):
         torch.cuda.set_rng_state_all(s["cuda"])
 
 
+def is_trainable_key(k):
+    return not k.startswith(("embed_tokens", "lm_head", "verifier_")) and k not in ("d2t", "t2d")
+
+
 def trainable_state(model):
-    return {k: v.detach().cpu() for k, v in model.state_dict().items()
-            if not k.startswith(("embed_tokens", "lm_head", "verifier_")) and k not in ("d2t", "t2d")}
+    return {k: v.detach().cpu() for k, v in model.state_dict().items() if is_trainable_key(k)}
 
 
-def save_checkpoint(ckpt_dir, model, opt, sched, state):
+def gather_states(model, opt, fsdp):
+    """Full trainable weights and optimizer state on the CPU. Under FSDP a collective: every rank calls."""
+    if not fsdp:
+        return trainable_state(model), opt.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k: v for k, v in msd.items() if is_trainable_key(k)}, osd
+
+
+def save_checkpoint(ckpt_dir, weights, opt_state, sched, state):
     """Atomic: written to a temporary folder, renamed into place; a kill never leaves half a checkpoint."""
     from safetensors.torch import save_file
     tmp = ckpt_dir.with_name(ckpt_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file(trainable_state(model), str(tmp / "trainable.safetensors"))
-    torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": rng_state(), **state},
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "trainable.safetensors"))
+    torch.save({"optimizer": opt_state, "scheduler": sched.state_dict(), "rng": rng_state(), **state},
                tmp / "state.pt")
     write_json_atomic(tmp / "meta.json", {k: v for k, v in state.items() if k != "history"})
     for f in tmp.iterdir():
@@ -108,11 +120,23 @@ def latest_checkpoint(folder):
     return max(done, key=lambda p: int(p.name.split("_")[1]), default=None)
 
 
-def load_checkpoint(path, model, opt, sched):
+def load_weights(path, model):
     from safetensors.torch import load_file
     model.load_state_dict(load_file(str(path / "trainable.safetensors")), strict=False)
+
+
+def load_checkpoint(path, model, opt, sched, fsdp=False):
+    """Weights, optimizer, scheduler and RNG; -> the saved training state (step, epoch, data position...)."""
+    from safetensors.torch import load_file
     state = torch.load(path / "state.pt", weights_only=False)
-    opt.load_state_dict(state.pop("optimizer"))
+    if fsdp:  # every rank loads the full state; torch scatters each rank's shards
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+        set_state_dict(model, opt, model_state_dict=load_file(str(path / "trainable.safetensors")),
+                       optim_state_dict=state.pop("optimizer"),
+                       options=StateDictOptions(full_state_dict=True, strict=False))
+    else:
+        load_weights(path, model)
+        opt.load_state_dict(state.pop("optimizer"))
     sched.load_state_dict(state.pop("scheduler"))
     set_rng_state(state.pop("rng"))
     return state
@@ -199,6 +223,23 @@ def dist_setup(cfg):
     return rank, world, device
 
 
+def wrap_parallel(model, device, world, how):
+    """One process: the model itself. DDP: replicas, gradients all-reduced. FSDP (torch's fully_shard):
+    trainable weights, gradients and AdamW state sharded across ranks; the frozen verifier pieces stay
+    replicated (no gradients, nothing to shard but memory). The layer stays gathered for the whole
+    step because every TTT step reuses it."""
+    if world == 1:
+        return model
+    if how == "ddp":
+        return torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda"
+                                                         else None)
+    from torch.distributed.fsdp import fully_shard
+    frozen = {p for p in model.parameters() if not p.requires_grad}
+    fully_shard(model.layers[0], reshard_after_forward=False)
+    fully_shard(model, reshard_after_forward=False, ignored_params=frozen)
+    return model
+
+
 def all_reduce_sums(sums, device, ttt_steps):
     if not (dist.is_available() and dist.is_initialized()):
         return sums
@@ -221,13 +262,13 @@ class Trainer:
         self.rank, self.world = rank, world
         self.train_idx, self.val_idx, self.lengths = train_idx, val_idx, lengths
         self.model = model.to(device)
+        if device.type == "cuda":
+            optimize_for_gpu(model, cfg.compile)
         self.dtype = torch.float32
-        self.ddp = model
-        if world > 1:
-            self.ddp = torch.nn.parallel.DistributedDataParallel(
-                model, device_ids=[device.index] if device.type == "cuda" else None)
+        self.fsdp = world > 1 and cfg.parallel == "fsdp"
+        self.ddp = wrap_parallel(model, device, world, cfg.parallel)
         self.opt = torch.optim.AdamW(model.trainable_parameters(), lr=cfg.lr, betas=(0.9, 0.95),
-                                     weight_decay=cfg.weight_decay, fused=device.type == "cuda")
+                                     weight_decay=cfg.weight_decay, fused=device.type == "cuda" and not self.fsdp)
         # every rank must run the same number of micro-batches (DDP all-reduces each backward)
         self.epoch_bins = [b[:len(b) - len(b) % world] for b in
                            (pack(train_idx, lengths, cfg.max_tokens_per_step, cfg.seed, e) for e in range(cfg.epochs))]
@@ -239,6 +280,7 @@ class Trainer:
         self.val_bins = pack(val_idx, lengths, cfg.max_tokens_per_step, cfg.seed, 0) if val_idx else []
         self.settings = {k: cfg[k] for k in RESUME_KEYS}
         self.settings["geometry"] = model.g.to_dict()
+        self.settings["optimizer_layout"] = "fsdp" if self.fsdp else "plain"  # their saved states differ
         self.state = {"step": 0, "epoch": 0, "bin": 0, "best": None, "best_step": None, "tokens": 0,
                       "train_seconds": 0.0, "settings": self.settings}
         self.ckpt_dir = self.out / "checkpoints"
@@ -255,7 +297,7 @@ class Trainer:
             diff = sorted(k for k in self.settings if (saved or {}).get(k) != self.settings[k])
             raise UsageError(f"checkpoints in {self.ckpt_dir} were made with other settings ({', '.join(diff)}); "
                              f"use a new --work-dir, or delete {self.out} to start over")
-        self.state = load_checkpoint(ckpt, self.model, self.opt, self.sched)
+        self.state = load_checkpoint(ckpt, self.model, self.opt, self.sched, self.fsdp)
         if self.rank == 0:
             self._truncate_metrics(self.state["step"])
         self.log.info("resumed from %s: step %d, epoch %d, sequence %d of the epoch", ckpt, self.state["step"],
@@ -273,12 +315,13 @@ class Trainer:
                 fh.write(json.dumps(row) + "\n")
 
     def _checkpoint(self, val=None):
+        weights, opt_state = gather_states(self.model, self.opt, self.fsdp)  # collective under FSDP
         if self.rank != 0:
             return
         name = f"step_{self.state['step']}"
         if val is not None and (self.state["best"] is None or val["acceptance_length"] > self.state["best"]):
             self.state["best"], self.state["best_step"] = val["acceptance_length"], self.state["step"]
-        save_checkpoint(self.ckpt_dir / name, self.model, self.opt, self.sched, dict(self.state))
+        save_checkpoint(self.ckpt_dir / name, weights, opt_state, self.sched, dict(self.state))
         best = f"step_{self.state['best_step']}" if self.state["best_step"] is not None else None
         prune_checkpoints(self.ckpt_dir, self.cfg.keep_last, best)
 
@@ -293,7 +336,7 @@ class Trainer:
             for batch in loader:
                 batch = to_device(batch, self.device, self.dtype)
                 with autocast(self.device):
-                    _, m = ttt_loss(self.model, batch, self.cfg.ttt_steps, self.cfg.ttt_decay)
+                    _, m = self.ddp(batch, self.cfg.ttt_steps, self.cfg.ttt_decay)
                 accumulate(sums, m)
         self.model.train()
         val = summarize(all_reduce_sums(sums, self.device, self.cfg.ttt_steps), self.cfg.ttt_steps)

@@ -1,33 +1,59 @@
-"""torchrun DDP on CPU (gloo): 2 ranks x 1 micro-batch equal 1 process x 2 accumulated micro-batches."""
+"""torchrun on CPU (gloo): 2 ranks x 1 micro-batch equal 1 process x 2 accumulated micro-batches,
+with DDP and with FSDP; an FSDP run resumed from a mid-run checkpoint ends where it would have."""
 import shutil
 import subprocess
 import sys
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
 from conftest import ROOT, run_script
 
 ARGS = ["--draft-vocab-size", 512, "--max-steps", 3, "--max-tokens-per-step", 256, "--num-workers", 0,
-        "--val-fraction", 0.2, "--lr", 1e-3, "--max-seq-len", 192, "--num-threads", 1]
+        "--val-fraction", 0.2, "--lr", 1e-3, "--max-seq-len", 192, "--num-threads", 1, "--save-every", 1]
 
 
-def test_torchrun_two_ranks_matches_accumulation(extracted, tmp_path):
-    works = {}
-    for name in ("single", "ddp"):
-        work = tmp_path / name
-        for sub in ("prepared", "hidden_states"):
-            shutil.copytree(extracted / sub, work / sub)
-        run_script("03_build_vocab_mapping.py", "--work-dir", work, "--draft-vocab-size", 512, check=True)
-        works[name] = work
-    run_script("04_train.py", "--work-dir", works["single"], *ARGS, "--grad-accum", 2, check=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29531",
-           str(ROOT / "04_train.py"), "--work-dir", str(works["ddp"]), *map(str, ARGS), "--grad-accum", "1"]
+def make_work(extracted, work):
+    for sub in ("prepared", "hidden_states"):
+        shutil.copytree(extracted / sub, work / sub)
+    run_script("03_build_vocab_mapping.py", "--work-dir", work, "--draft-vocab-size", 512, check=True)
+    return work
+
+
+def torchrun(work, *extra, port=29531):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+           str(ROOT / "04_train.py"), "--work-dir", str(work), *map(str, ARGS), "--grad-accum", "1", *map(str, extra)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    last = [max((w / "train" / "checkpoints").glob("step_*"), key=lambda p: int(p.name[5:])) for w in works.values()]
-    assert last[0].name == last[1].name and int(last[0].name[5:]) >= 2
-    a, b = (load_file(str(c / "trainable.safetensors")) for c in last)
+    return proc.stdout + proc.stderr
+
+
+def weights(work, step):
+    return load_file(str(work / "train" / "checkpoints" / f"step_{step}" / "trainable.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def single(extracted, tmp_path_factory):
+    work = make_work(extracted, tmp_path_factory.mktemp("single") / "w")
+    run_script("04_train.py", "--work-dir", work, *ARGS, "--grad-accum", 2, check=True)
+    return work
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_torchrun_two_ranks_matches_accumulation(extracted, single, tmp_path, parallel):
+    work = make_work(extracted, tmp_path / parallel)
+    torchrun(work, "--parallel", parallel)
+    a, b = weights(single, 3), weights(work, 3)
+    assert sorted(a) == sorted(b) and len(a) == 12
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
-    assert (works["ddp"] / "final_draft" / "model.safetensors").is_file()
+    assert (work / "final_draft" / "model.safetensors").is_file()
+    if parallel == "fsdp":  # drop the last checkpoint: the same command resumes from step 2 and ends equal
+        before = weights(work, 3)
+        shutil.rmtree(work / "train" / "checkpoints" / "step_3")
+        out = torchrun(work, "--parallel", parallel)
+        assert "resumed from" in out and "step 2" in out
+        after = weights(work, 3)
+        for k in before:
+            torch.testing.assert_close(before[k], after[k], rtol=1e-5, atol=1e-6)

@@ -81,7 +81,7 @@ def test_speculators_loads_checkpoint_and_computes_same_outputs(trained):
     ours.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in exported.items()}, strict=False)
     ours.eval()
     with torch.no_grad():
-        logits = ours.unroll(batch["aux"], batch["ids"], batch["pos"], batch["docs"], 3)
+        logits = ours.unroll(batch["aux"], batch["ids"], batch["pos"], batch["doc"], batch["docs"], 3)
         our_loss, _ = ttt_loss(ours, batch, 3, 0.8)
     for k in range(3):
         n = len(batch["ids"]) - k

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Multi-GPU training check at Kimi-K2.5 draft geometry on synthetic hidden states (needs 2 GPUs):
+#   1 GPU x 2 accumulated micro-batches vs torchrun 2 GPUs x 1 (same global batch): tokens/s, scaling,
+#   peak memory, per-step losses; then the same with FSDP; then an FSDP run killed mid-way and resumed.
+# Usage: bench/multi_gpu.sh OUT_DIR [STEPS]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:?usage: bench/multi_gpu.sh OUT_DIR [STEPS]}; steps=${2:-12}
+work=${WORK:-/tmp/kimi-synth}
+mkdir -p "$out"
+[[ -f $work/vocab/manifest.json ]] || python bench/synthetic_workdir.py --work-dir "$work" --samples 96 > "$out/synth.log" 2>&1
+args=(--config configs/kimi-k2.5.yaml --verifier "$work/verifier" --epochs 2 --max-steps "$steps" --warmup-steps 2
+      --lr 1e-4 --val-fraction 0.05 --log-interval 0 --num-workers 4 --save-every 4 --keep-last 3)
+run() {  # name, then extra args; a fresh copy of the inputs per run
+  local name=$1; shift
+  rm -rf "$work-$name"; mkdir -p "$work-$name"
+  for d in prepared hidden_states vocab; do ln -s "$work/$d" "$work-$name/$d"; done
+  "$@" --work-dir "$work-$name" "${args[@]}" > "$out/$name.log" 2>&1
+  echo "$name: exit $? $(grep -c '"train"' "$work-$name/train/metrics.jsonl" 2>/dev/null) train rows"
+  cp "$work-$name/train/metrics.jsonl" "$out/$name.metrics.jsonl" 2>/dev/null
+}
+PY=python
+runs=" ${RUNS:-gpu1 ddp2 fsdp2 resume} "
+[[ $runs == *" gpu1 "* ]] && run gpu1 env CUDA_VISIBLE_DEVICES=0 $PY 04_train.py --grad-accum 2
+[[ $runs == *" ddp2 "* ]] && run ddp2 $PY -m torch.distributed.run --nproc_per_node 2 04_train.py --grad-accum 1 --parallel ddp
+[[ $runs == *" fsdp2 "* ]] && run fsdp2 $PY -m torch.distributed.run --nproc_per_node 2 04_train.py --grad-accum 1 --parallel fsdp
+if [[ $runs == *" resume "* ]]; then  # kill an FSDP run after its step-4 checkpoint, re-run the same command
+  name=fsdp2_resume; rm -rf "$work-$name"; mkdir -p "$work-$name"
+  for d in prepared hidden_states vocab; do ln -s "$work/$d" "$work-$name/$d"; done
+  cmd=($PY -m torch.distributed.run --nproc_per_node 2 04_train.py --grad-accum 1 --parallel fsdp --work-dir "$work-$name" "${args[@]}")
+  "${cmd[@]}" > "$out/$name.1.log" 2>&1 &
+  pid=$!
+  until [[ -f $work-$name/train/checkpoints/step_4/state.pt ]] || ! kill -0 $pid 2>/dev/null; do sleep 2; done
+  sleep 3; pkill -9 -f "work-dir $work-$name" ; wait $pid
+  echo "killed after $(ls "$work-$name/train/checkpoints")"
+  "${cmd[@]}" > "$out/$name.2.log" 2>&1; echo "resumed: exit $?"
+  python - "$work-fsdp2" "$work-$name" "$steps" <<'PYEOF' | tee "$out/resume_check.txt"
+import sys, torch
+from safetensors.torch import load_file
+a, b = (load_file(f"{w}/train/checkpoints/step_{sys.argv[3]}/trainable.safetensors") for w in sys.argv[1:3])
+print("resume vs uninterrupted, max abs diff per tensor:", max((a[k].float() - b[k].float()).abs().max().item() for k in a))
+PYEOF
+fi
+python - "$out" <<'PYEOF' | tee "$out/summary.txt"
+import json, sys, statistics
+out = sys.argv[1]
+rows = {}
+for name in ("gpu1", "ddp2", "fsdp2"):
+    try:
+        rows[name] = [json.loads(l) for l in open(f"{out}/{name}.metrics.jsonl") if '"train"' in l]
+    except FileNotFoundError:
+        continue
+for name, r in rows.items():
+    tps = statistics.median(x["tokens_per_s"] for x in r[2:]) if len(r) > 2 else float("nan")
+    print(f"{name}: median tokens/s after 2 steps {tps:.0f}, peak {max(x['peak_mem_gb'] for x in r):.1f} GiB per GPU")
+    print(f"  loss_0 per step: {[round(x['loss_0'], 4) for x in r]}")
+if "gpu1" in rows:
+    base = statistics.median(x["tokens_per_s"] for x in rows["gpu1"][2:])
+    for name in ("ddp2", "fsdp2"):
+        if name in rows:
+            tps = statistics.median(x["tokens_per_s"] for x in rows[name][2:])
+            diff = max(abs(a["loss_0"] - b["loss_0"]) / abs(a["loss_0"]) for a, b in zip(rows["gpu1"], rows[name]))
+            print(f"{name}: scaling {tps / base:.2f}x over 1 GPU; max relative loss_0 difference vs 1 GPU {diff:.2e}")
+PYEOF

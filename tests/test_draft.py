@@ -1,0 +1,77 @@
+"""The optimised TTT step (row subsets, per-document attention) equals a dense reference.
+
+The reference is written out independently here, as speculators computes it: every position at
+every step, one T x (k+1)T mask (causal within the document over step-0 keys, plus the diagonal).
+"""
+import torch
+import torch.nn.functional as F
+
+from common.draft import DraftGeometry, Eagle3Draft, rope, ttt_loss
+
+
+def tiny_batch(T=300, seed=0, vocab=500, H=64):
+    gen = torch.Generator().manual_seed(seed)
+    lens = [90, 130, 80]
+    doc = torch.cat([torch.full((n,), j) for j, n in enumerate(lens)])
+    docs, a = [], 0
+    for n in lens:
+        docs.append((a, a + n))
+        a += n
+    mask = torch.zeros(T, dtype=torch.long)
+    for a, b in docs:  # a prompt, then an answer: the loss mask is a span per document
+        mask[a + (b - a) // 3:b] = 1
+    mask[docs[1][0] + 70:docs[1][0] + 75] = 0  # a hole inside an answer
+    return {"aux": torch.randn(T, 3 * H, generator=gen), "ids": torch.randint(0, vocab, (T,), generator=gen),
+            "target_hidden": torch.randn(T, H, generator=gen), "loss_mask": mask, "doc": doc,
+            "pos": torch.cat([torch.arange(1, n + 1) for n in lens]), "docs": docs}
+
+
+def dense_reference(m, b, ttt, decay):
+    g, T = m.g, b["ids"].shape[0]
+    doc, pos, mask0 = b["doc"], b["pos"], b["loss_mask"].bool()
+    layer = m.layers[0]
+    at = layer.self_attn
+    target_logp = m.verifier_lm_head(m.verifier_norm(b["target_hidden"])).log_softmax(-1)
+    causal = (doc[:, None] == doc[None, :]) & torch.ones(T, T, dtype=torch.bool).tril()
+    hidden, ks, vs, total = m.fc(b["aux"]), [], [], 0.0
+    for k in range(ttt):
+        ids = torch.cat([b["ids"][k:], b["ids"].new_zeros(k)])
+        normed = layer.hidden_norm(hidden)
+        x = torch.cat([layer.input_layernorm(m.embed_tokens(ids)), normed], -1)
+        q = rope(at.q_proj(x).view(T, g.num_heads, -1).transpose(0, 1), pos + k, g.rope_theta)
+        ks.append(rope(at.k_proj(x).view(T, g.num_kv_heads, -1).transpose(0, 1), pos + k, g.rope_theta))
+        vs.append(at.v_proj(x).view(T, g.num_kv_heads, -1).transpose(0, 1))
+        full_mask = torch.cat([causal] + [torch.eye(T, dtype=torch.bool)] * k, 1)
+        rep = g.num_heads // g.num_kv_heads
+        o = F.scaled_dot_product_attention(q, torch.cat(ks, 1).repeat_interleave(rep, 0),
+                                           torch.cat(vs, 1).repeat_interleave(rep, 0), attn_mask=full_mask)
+        h = normed + at.o_proj(o.transpose(0, 1).reshape(T, -1))
+        hidden = h + layer.mlp(layer.post_attention_layernorm(h))
+        logp = m.lm_head(m.norm(hidden)).log_softmax(-1)
+        valid = torch.zeros(T, dtype=torch.bool)
+        valid[:T - k] = mask0[k:] & (doc[:T - k] == doc[k:])
+        tgt = torch.cat([target_logp[k:], target_logp[:k]])  # row i -> verifier at i + k
+        kl = (tgt.exp() * (tgt - logp)).sum(-1)
+        total = total + decay ** k * kl[valid].sum() / valid.sum()
+    return total
+
+
+def test_row_subsets_equal_dense_reference():
+    g = DraftGeometry(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
+                      rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=512, verifier_vocab_size=500,
+                      draft_vocab_size=500)
+    torch.manual_seed(0)
+    m = Eagle3Draft(g).double()
+    for p in (m.embed_tokens.weight, m.lm_head.weight, m.verifier_lm_head.weight):
+        p.data.normal_()
+    b = {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in tiny_batch().items()}
+    loss, metrics = ttt_loss(m, b, 3, 0.8)
+    loss.backward()
+    ours = [p.grad.clone() for p in m.trainable_parameters()]
+    m.zero_grad()
+    ref = dense_reference(m, b, 3, 0.8)
+    ref.backward()
+    torch.testing.assert_close(loss.double(), ref, rtol=1e-5, atol=1e-6)  # ours takes log-softmax in fp32
+    for a, r in zip(ours, (p.grad for p in m.trainable_parameters())):
+        torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-6)
+    assert int(metrics["full_total_0"]) == int(b["loss_mask"].sum())
