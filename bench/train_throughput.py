@@ -46,12 +46,14 @@ def make_batch(T, g, device, seed):
     mask = torch.zeros(T, dtype=torch.long)
     for a, b in docs:
         mask[a + int((b - a) * float(torch.empty(1).uniform_(0.25, 0.55, generator=gen))):b] = 1
-    return {"aux": torch.randn(T, 3 * g.hidden_size, generator=gen).to(device),
+    doc = torch.cat([torch.full((b - a,), j) for j, (a, b) in enumerate(docs)])
+    hs = torch.bfloat16 if device.type == "cuda" else torch.float32  # as the trainer feeds it
+    return {"aux": torch.randn(T, 3 * g.hidden_size, generator=gen).to(device, hs),
             "ids": torch.randint(0, g.verifier_vocab_size, (T,), generator=gen).to(device),
-            "target_hidden": torch.randn(T, g.hidden_size, generator=gen).to(device),
-            "loss_mask": mask.to(device),
-            "doc": torch.cat([torch.full((b - a,), j) for j, (a, b) in enumerate(docs)]).to(device),
-            "pos": torch.cat([torch.arange(1, b - a + 1) for a, b in docs]).to(device), "docs": docs}
+            "target_hidden": torch.randn(T, g.hidden_size, generator=gen).to(device, hs),
+            "loss_mask": mask.to(device), "doc": doc.to(device),
+            "pos": torch.cat([torch.arange(1, b - a + 1) for a, b in docs]).to(device), "docs": docs,
+            "cpu": {"loss_mask": mask, "doc": doc}}
 
 
 def timed(step, n_warm, n, device):
@@ -109,6 +111,16 @@ def ours(g, batch, device, args, variant="flex+compile"):
     return step
 
 
+def profile(step, name):
+    from torch.profiler import ProfilerActivity
+    with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+    print(f"--- profile of 2 steps: {name}")
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=22, max_name_column_width=60))
+
+
 def numerical_check(g, batch, device, args):
     """Loss and gradients of the optimised step vs the plain one (eager SDPA), both bf16 autocast,
     and vs fp32 eager, from the same weights: relative errors printed."""
@@ -121,19 +133,26 @@ def numerical_check(g, batch, device, args):
         m = Eagle3Draft(g)
         m.load_state_dict(base.state_dict())
         m = m.to(device)
-        optimize_for_gpu(m, compile_layers="compile" in variant)
+        if amp:  # bf16 frozen pieces need autocast
+            optimize_for_gpu(m, compile_layers="compile" in variant)
+        b = batch if amp else {k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v
+                               for k, v in batch.items()}
         with torch.autocast("cuda", torch.bfloat16, enabled=amp):
-            loss, _ = m(batch, args.ttt, 0.8)
+            loss, _ = m(b, args.ttt, 0.8)
         loss.backward()
         out[name] = (loss.item(), [p.grad.float().clone() for p in m.trainable_parameters()])
         del m
-    ref_loss, ref_grads = out["fp32 eager"]
     rows = {}
-    for name, (loss, grads) in out.items():
-        err = max(((a - b).norm() / b.norm()).item() for a, b in zip(grads, ref_grads))
-        rows[name] = {"loss": loss, "loss_rel_err": abs(loss - ref_loss) / abs(ref_loss), "max_grad_rel_err": err}
-        print(f"check {name:18s} loss {loss:.6f}  rel err {rows[name]['loss_rel_err']:.2e}  "
-              f"max grad rel err {err:.2e} (vs fp32 eager)", flush=True)
+    for ref in ("fp32 eager", "bf16 eager"):
+        ref_loss, ref_grads = out[ref]
+        for name, (loss, grads) in out.items():
+            if name == ref or (ref == "bf16 eager" and name == "fp32 eager"):
+                continue
+            err = max(((a - b).norm() / b.norm()).item() for a, b in zip(grads, ref_grads))
+            rows[f"{name} vs {ref}"] = {"loss": loss, "loss_rel_err": abs(loss - ref_loss) / abs(ref_loss),
+                                        "max_grad_rel_err": err}
+            print(f"check {name:18s} vs {ref:10s}: loss {loss:.6f}  rel err {abs(loss - ref_loss) / abs(ref_loss):.2e}  "
+                  f"max grad rel err (per tensor, L2) {err:.2e}", flush=True)
     draft.rope = draft._rope
     return rows
 
@@ -189,6 +208,7 @@ def main():
     ap.add_argument("--variants", nargs="+", default=["flex+compile"], choices=["sdpa", "flex", "flex+compile"])
     ap.add_argument("--skip-speculators", action="store_true")
     ap.add_argument("--check", action="store_true", help="GPU: compare loss/gradients of the variants first")
+    ap.add_argument("--profile", action="store_true", help="GPU: print the top kernels of 2 steps per variant")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -217,6 +237,8 @@ def main():
             try:
                 step = make(g, batch, device, args, variant) if variant else make(g, batch, device, args)
                 sec = timed(step, args.warmup, args.steps, device)
+                if args.profile and device.type == "cuda":
+                    profile(step, name)
             except torch.OutOfMemoryError:
                 print(f"{name:24s} T={T:6d}  out of memory", flush=True)
                 rows.append({"impl": name, "tokens": T, "oom": True})

@@ -49,7 +49,9 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # bf16 in, bf16 out under autocast: the residual stream and the q/k/v inputs stay bf16, so
+        # autocast stores no fp32 copies for backward (HF's version promotes to the fp32 weight dtype)
+        return (self.weight * x.to(dtype)).to(dtype)
 
 
 def _rope(x, pos, theta):
@@ -97,16 +99,11 @@ class TTTPlan:
     (the "diagonal" of speculators' extended mask). Identical maths to computing every row.
     """
 
-    def __init__(self, T, doc, docs, rows, backend="sdpa"):
+    def __init__(self, T, doc, docs, rows, lookup, ranges, backend="sdpa"):
         self.T, self.doc, self.docs, self.rows, self.backend = T, doc, docs, rows, backend
+        self.lookup = lookup  # lookup[j]: original position -> row index within rows[j] (-1 if absent)
+        self.doc_ranges = ranges  # ranges[k][d]: first row of rows[k] in document d (Python ints)
         self.cache = []
-        self.lookup = []
-        for r in rows:  # original position -> row index within rows[j]
-            lk = torch.full((T,), -1, dtype=torch.long, device=doc.device)
-            lk[r] = torch.arange(len(r), device=doc.device)
-            self.lookup.append(lk)
-        bounds = torch.tensor([a for a, _ in docs] + [docs[-1][1]], device=doc.device)
-        self.doc_ranges = [torch.searchsorted(r, bounds).tolist() for r in rows]
 
     def attend(self, q, step):
         if self.backend == "flex":
@@ -244,16 +241,17 @@ class Eagle3Draft(nn.Module):
     def unroll(self, aux, ids, pos, doc, docs, ttt_steps):
         """Logits at every start position per TTT step (step k: positions 0..T-k-1), teacher forced."""
         T = ids.shape[0]
-        rows = [torch.arange(T - k, device=ids.device) for k in range(ttt_steps)]
-        plan = TTTPlan(T, doc, docs, rows, attention_backend(ids.device))
+        ix = index_plan(torch.ones(T, dtype=torch.bool), doc.cpu(), docs, ttt_steps, every_row=True)
+        plan = make_plan(ix, T, doc, docs, ids.device)
         return [self.lm_head(self.norm(h)) for _, h in self.run_steps(aux, ids, pos, plan)]
 
 
 def optimize_for_gpu(model, compile_layers=True):
     """CUDA: frozen pieces in bf16 (they never update; halves their memory), and the elementwise chains
     (RMSNorms, SwiGLU, RoPE) compiled into fused kernels. Module.compile keeps the weight names."""
-    for m in (model.embed_tokens, model.lm_head, model.verifier_lm_head):
+    for m in (model.embed_tokens, model.lm_head):
         m.to(torch.bfloat16)
+    model.verifier_lm_head.weight = model.lm_head.weight  # the same frozen rows: store them once
     if compile_layers:
         layer = model.layers[0]
         for m in (layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm, layer.mlp, model.norm,
@@ -271,39 +269,69 @@ def attention_backend(device):
     return "flex" if want == "flex" or (want == "auto" and device.type == "cuda") else "sdpa"
 
 
-def loss_rows(mask0, doc, ttt_steps):
-    """valid[k][i]: start i has a target at step k (mask at i+k, same document); rows[k]: starts step k
-    must compute, i.e. those with a target at some step j >= k."""
+def index_plan(mask0, doc, docs, ttt_steps, every_row=False):
+    """CPU bookkeeping of one batch (so the GPU never waits on a nonzero()): per TTT step k,
+    valid[k][i]: start i has a target at step k (mask at i+k, same document);
+    rows[k]: starts step k computes, those with a target at some step j >= k (every_row: all);
+    local[k]: which of rows[k] have a target now; tr[k]: their row in the verifier targets (tpos);
+    lookup[k]: position -> index in rows[k]; ranges[k]: per document, its first row in rows[k]."""
     T = mask0.shape[0]
-    valid = []
+    valid, need = [], torch.zeros(T, dtype=torch.bool)
     for k in range(ttt_steps):
-        v = torch.zeros(T, dtype=torch.bool, device=mask0.device)
+        v = torch.zeros(T, dtype=torch.bool)
         v[:T - k] = mask0[k:] & (doc[:T - k] == doc[k:])
         valid.append(v)
-    rows, need = [None] * ttt_steps, torch.zeros(T, dtype=torch.bool, device=mask0.device)
+    rows = [None] * ttt_steps
     for k in reversed(range(ttt_steps)):
         need = need | valid[k]
-        rows[k] = need.nonzero().squeeze(1)
-    return valid, rows
+        rows[k] = torch.arange(T - k) if every_row else need.nonzero().squeeze(1)
+    tpos = mask0.nonzero().squeeze(1)
+    row_of = torch.full((T,), -1, dtype=torch.long)
+    row_of[tpos] = torch.arange(len(tpos))
+    ix = {"valid": torch.stack(valid), "tpos": tpos, "rows": rows, "local": [], "sel": [], "tr": [], "lookup": []}
+    bounds = torch.tensor([a for a, _ in docs] + [docs[-1][1]])
+    ix["ranges"] = [torch.searchsorted(r, bounds).tolist() for r in rows]
+    for k in range(ttt_steps):
+        local = valid[k][rows[k]].nonzero().squeeze(1)
+        sel = rows[k][local]
+        lk = torch.full((T,), -1, dtype=torch.long)
+        lk[rows[k]] = torch.arange(len(rows[k]))
+        ix["local"].append(local), ix["sel"].append(sel), ix["tr"].append(row_of[sel + k]), ix["lookup"].append(lk)
+    return ix
+
+
+def move(ix, device):
+    """Index tensors to the device without a host sync (pinned, non-blocking copies)."""
+    if device.type == "cpu":
+        return ix
+    def mv(v):
+        if torch.is_tensor(v):
+            return v.pin_memory().to(device, non_blocking=True)
+        return [mv(x) for x in v] if isinstance(v, list) and v and torch.is_tensor(v[0]) else v
+    return {k: mv(v) for k, v in ix.items()}
+
+
+def make_plan(ix, T, doc, docs, device):
+    return TTTPlan(T, doc, docs, ix["rows"], ix["lookup"], ix["ranges"], attention_backend(device))
 
 
 class SoftKL(torch.autograd.Function):
-    """Per-row KL(target || softmax(logits)) with the gradient written out: softmax(logits) - p.
-
-    Autograd's version keeps fp32 log-probs and gathered targets per TTT step ([rows, draft vocab]
-    each, the largest activations of a big-vocab draft); this keeps only the logits and targets."""
+    """Per-row KL(target || softmax(logits)), target row r = target_logp[idx[r]], gradient written
+    out: softmax(logits) - p. Autograd's version would keep fp32 log-probs and a gathered copy of
+    the targets per TTT step ([rows, draft vocab] each, the largest activations of a big-vocab
+    draft); this keeps the logits and re-gathers the targets in backward."""
 
     @staticmethod
-    def forward(ctx, logits, target_logp):
-        logp = logits.float().log_softmax(-1)
-        ctx.save_for_backward(logits, target_logp)
-        return (target_logp.exp() * (target_logp - logp)).sum(-1)
+    def forward(ctx, logits, target_logp, idx):
+        t = target_logp[idx]
+        ctx.save_for_backward(logits, target_logp, idx)
+        return (t.exp() * (t - logits.float().log_softmax(-1))).sum(-1)
 
     @staticmethod
     def backward(ctx, grad):
-        logits, target_logp = ctx.saved_tensors
-        g = (logits.float().softmax(-1) - target_logp.exp()) * grad[:, None]
-        return g.to(logits.dtype), None
+        logits, target_logp, idx = ctx.saved_tensors
+        g = (logits.float().softmax(-1) - target_logp[idx].exp()) * grad[:, None]
+        return g.to(logits.dtype), None, None
 
 
 def ttt_loss(model, batch, ttt_steps, decay):
@@ -316,28 +344,25 @@ def ttt_loss(model, batch, ttt_steps, decay):
     keys/values everywhere), the vocab projections only at loss-masked targets.
     """
     aux, ids, pos, doc = batch["aux"], batch["ids"], batch["pos"], batch["doc"]
-    T = ids.shape[0]
-    mask0 = batch["loss_mask"].bool()
-    valid, rows = loss_rows(mask0, doc, ttt_steps)
-    tpos = mask0.nonzero().squeeze(1)
+    T, dev = ids.shape[0], ids.device
+    cpu = batch.get("cpu") or {"loss_mask": batch["loss_mask"].cpu(), "doc": doc.cpu()}
+    ix = move(index_plan(cpu["loss_mask"].bool(), cpu["doc"], batch["docs"], ttt_steps), dev)
+    valid = ix["valid"]
     with torch.no_grad():
-        t_logits = model.verifier_lm_head(model.verifier_norm(batch["target_hidden"][tpos])).float()
+        t_logits = model.verifier_lm_head(model.verifier_norm(batch["target_hidden"][ix["tpos"]])).float()
         target_ids = t_logits.argmax(-1)
         target_logp = t_logits.log_softmax(-1)
-        row_of = torch.full_like(ids, -1)
-        row_of[tpos] = torch.arange(len(tpos), device=ids.device)
-    plan = TTTPlan(T, doc, batch["docs"], rows, attention_backend(ids.device))
-    chain_ok = torch.ones(T, dtype=torch.bool, device=ids.device)  # drafts 0..k-1 right from start i
+        del t_logits
+    plan = make_plan(ix, T, doc, batch["docs"], dev)
+    chain_ok = torch.ones(T, dtype=torch.bool, device=dev)  # drafts 0..k-1 right from start i
     total, metrics = 0.0, {}
     for k, h in model.run_steps(aux, ids, pos, plan):
-        local = valid[k][rows[k]].nonzero().squeeze(1)  # rows of h with a target at this step
-        sel = rows[k][local]
-        logits = model.lm_head(model.norm(h[local]))
-        tr = row_of[sel + k]
-        step_loss = SoftKL.apply(logits, target_logp[tr]).sum() / max(len(sel), 1)
+        sel, tr = ix["sel"][k], ix["tr"][k]
+        logits = model.lm_head(model.norm(h[ix["local"][k]]))
+        step_loss = SoftKL.apply(logits, target_logp, tr).sum() / max(len(sel), 1)
         total = total + (decay ** k) * step_loss
         with torch.no_grad():
-            correct = torch.zeros(T, dtype=torch.bool, device=ids.device)
+            correct = torch.zeros(T, dtype=torch.bool, device=dev)
             correct[sel] = logits.argmax(-1) == target_ids[tr]
             chain = chain_ok & valid[k]
             metrics[f"loss_{k}"] = step_loss.detach()

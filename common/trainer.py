@@ -164,8 +164,9 @@ def summarize(sums, ttt_steps):
 
 
 def accumulate(sums, metrics):
+    """Sums stay on the device (no sync per micro-batch); summarize() reads them at log time."""
     for k, v in metrics.items():
-        sums[k] = sums.get(k, 0) + (v.item() if torch.is_tensor(v) else v)
+        sums[k] = sums.get(k, 0) + (v.detach().double() if torch.is_tensor(v) else v)
     sums["batches"] = sums.get("batches", 0) + 1
 
 
@@ -264,7 +265,7 @@ class Trainer:
         self.model = model.to(device)
         if device.type == "cuda":
             optimize_for_gpu(model, cfg.compile)
-        self.dtype = torch.float32
+        self.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         self.fsdp = world > 1 and cfg.parallel == "fsdp"
         self.ddp = wrap_parallel(model, device, world, cfg.parallel)
         self.opt = torch.optim.AdamW(model.trainable_parameters(), lr=cfg.lr, betas=(0.9, 0.95),
