@@ -141,6 +141,7 @@ def numerical_check(g, batch, device, args):
             loss, _ = m(b, args.ttt, 0.8)
         loss.backward()
         out[name] = (loss.item(), [p.grad.float().clone() for p in m.trainable_parameters()])
+        names = [n for n, p in m.named_parameters() if p.requires_grad]
         del m
     rows = {}
     for ref in ("fp32 eager", "bf16 eager"):
@@ -148,9 +149,11 @@ def numerical_check(g, batch, device, args):
         for name, (loss, grads) in out.items():
             if name == ref or (ref == "bf16 eager" and name == "fp32 eager"):
                 continue
-            err = max(((a - b).norm() / b.norm()).item() for a, b in zip(grads, ref_grads))
+            errs = {n: ((a - b).norm() / b.norm()).item() for n, a, b in zip(names, grads, ref_grads)}
+            err = max(errs.values())
             rows[f"{name} vs {ref}"] = {"loss": loss, "loss_rel_err": abs(loss - ref_loss) / abs(ref_loss),
-                                        "max_grad_rel_err": err}
+                                        "max_grad_rel_err": err, "grad_rel_err": errs}
+            print("   ", "  ".join(f"{n.replace('layers.0.', '')} {e:.1e}" for n, e in errs.items()))
             print(f"check {name:18s} vs {ref:10s}: loss {loss:.6f}  rel err {abs(loss - ref_loss) / abs(ref_loss):.2e}  "
                   f"max grad rel err (per tensor, L2) {err:.2e}", flush=True)
     draft.rope = draft._rope
