@@ -93,9 +93,17 @@ def matmul_ceiling(device, n=8192):
     return 2 * n ** 3 / sec
 
 
+def new_draft(g):
+    """Random draft whose verifier head equals its lm_head, as build_model makes it."""
+    model = Eagle3Draft(g)
+    with torch.no_grad():
+        model.verifier_lm_head.weight.copy_(model.lm_head.weight)
+    return model
+
+
 def ours(g, batch, device, args, variant="flex+compile"):
     os.environ["EAGLE3_ATTN"] = "sdpa" if variant == "sdpa" else "flex"
-    model = Eagle3Draft(g).to(device)
+    model = new_draft(g).to(device)
     if device.type == "cuda":
         optimize_for_gpu(model, compile_layers="compile" in variant)
     opt = torch.optim.AdamW(model.trainable_parameters(), lr=1e-4, fused=device.type == "cuda")
@@ -126,7 +134,7 @@ def numerical_check(g, batch, device, args):
     and vs fp32 eager, from the same weights: relative errors printed."""
     out = {}
     torch.manual_seed(0)
-    base = Eagle3Draft(g)
+    base = new_draft(g)
     for name, variant, amp in (("fp32 eager", "sdpa", False), ("bf16 eager", "sdpa", True),
                                ("bf16 flex+compile", "flex+compile", True)):
         os.environ["EAGLE3_ATTN"] = "sdpa" if variant == "sdpa" else "flex"

@@ -251,7 +251,10 @@ def optimize_for_gpu(model, compile_layers=True):
     (RMSNorms, SwiGLU, RoPE) compiled into fused kernels. Module.compile keeps the weight names."""
     for m in (model.embed_tokens, model.lm_head):
         m.to(torch.bfloat16)
-    model.verifier_lm_head.weight = model.lm_head.weight  # the same frozen rows: store them once
+    if torch.equal(model.verifier_lm_head.weight.to(torch.bfloat16), model.lm_head.weight):
+        model.verifier_lm_head.weight = model.lm_head.weight  # the same frozen rows (build_model): store once
+    else:
+        model.verifier_lm_head.to(torch.bfloat16)
     if compile_layers:
         layer = model.layers[0]
         for m in (layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm, layer.mlp, model.norm,
