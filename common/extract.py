@@ -109,7 +109,8 @@ class HfExtractor:
             x = torch.tensor([ids], device=self.device)
             out = self.model.model(input_ids=x, output_hidden_states=True)
             states = [out.hidden_states[k] if k < n else self.captured for k in self.layer_ids]
-            hidden = torch.stack([s[0] for s in states], dim=1).float().cpu()
+            # with device_map over several GPUs the layers' states live on different devices
+            hidden = torch.stack([s[0].float().cpu() for s in states], dim=1)
             yield idx, hidden, torch.tensor(ids)
 
 
