@@ -330,15 +330,19 @@ class Trainer:
         if not self.val_bins:
             return None
         bins = self.val_bins[self.rank::self.world]
-        loader = make_loader(self.folder, bins, self.cfg.max_tokens_per_step, 0)
+        # every rank runs the same number of forwards (FSDP gathers weights in each; DDP syncs
+        # buffers): a rank short of sequences repeats the first one and does not count it
+        n = math.ceil(len(self.val_bins) / self.world)
+        loader = make_loader(self.folder, bins + self.val_bins[:1] * (n - len(bins)), self.cfg.max_tokens_per_step, 0)
         self.model.eval()
         sums = {}
         with torch.no_grad():
-            for batch in loader:
+            for i, batch in enumerate(loader):
                 batch = to_device(batch, self.device, self.dtype)
                 with autocast(self.device):
                     _, m = self.ddp(batch, self.cfg.ttt_steps, self.cfg.ttt_decay)
-                accumulate(sums, m)
+                if i < len(bins):
+                    accumulate(sums, m)
         self.model.train()
         val = summarize(all_reduce_sums(sums, self.device, self.cfg.ttt_steps), self.cfg.ttt_steps)
         row = {"kind": "val", "step": self.state["step"], "epoch": self.state["epoch"], **val}

@@ -29,6 +29,10 @@ def torchrun(work, *extra, port=29531):
     return proc.stdout + proc.stderr
 
 
+def last_step(work):
+    return max(int(p.name[5:]) for p in (work / "train" / "checkpoints").glob("step_*"))
+
+
 def weights(work, step):
     return load_file(str(work / "train" / "checkpoints" / f"step_{step}" / "trainable.safetensors"))
 
@@ -44,16 +48,17 @@ def single(extracted, tmp_path_factory):
 def test_torchrun_two_ranks_matches_accumulation(extracted, single, tmp_path, parallel):
     work = make_work(extracted, tmp_path / parallel)
     torchrun(work, "--parallel", parallel)
-    a, b = weights(single, 3), weights(work, 3)
+    last = last_step(single)
+    assert last_step(work) == last >= 2
+    a, b = weights(single, last), weights(work, last)
     assert sorted(a) == sorted(b) and len(a) == 12
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
     assert (work / "final_draft" / "model.safetensors").is_file()
-    if parallel == "fsdp":  # drop the last checkpoint: the same command resumes from step 2 and ends equal
-        before = weights(work, 3)
-        shutil.rmtree(work / "train" / "checkpoints" / "step_3")
+    if parallel == "fsdp":  # drop the last checkpoint: the same command resumes from the one before, ends equal
+        shutil.rmtree(work / "train" / "checkpoints" / f"step_{last}")
         out = torchrun(work, "--parallel", parallel)
-        assert "resumed from" in out and "step 2" in out
-        after = weights(work, 3)
-        for k in before:
-            torch.testing.assert_close(before[k], after[k], rtol=1e-5, atol=1e-6)
+        assert "resumed from" in out and f"step {last - 1}," in out
+        after = weights(work, last)
+        for k in b:
+            torch.testing.assert_close(b[k], after[k], rtol=1e-5, atol=1e-6)
