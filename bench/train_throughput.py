@@ -35,12 +35,12 @@ GEOMETRIES = {
 }
 
 
-def make_batch(T, g, device, seed):
-    """Documents of 200..2048 tokens; each a prompt (unmasked) then an answer (masked), ~60% of tokens."""
+def make_batch(T, g, device, seed, max_doc=2048):
+    """Documents of 200..max_doc tokens; each a prompt (unmasked) then an answer (masked), ~60% of tokens."""
     gen = torch.Generator().manual_seed(seed)
     docs, a = [], 0
     while a < T:
-        n = min(int(torch.randint(200, 2049, (1,), generator=gen)), T - a)
+        n = min(int(torch.randint(200, max_doc + 1, (1,), generator=gen)), T - a)
         docs.append((a, a + n))
         a += n
     mask = torch.zeros(T, dtype=torch.long)
@@ -213,6 +213,8 @@ def main():
     ap.add_argument("--tokens", type=int, nargs="+", default=[2048])
     ap.add_argument("--draft-vocab", type=int, default=4096)
     ap.add_argument("--ttt", type=int, default=3)
+    ap.add_argument("--max-doc", type=int, default=2048,
+                    help="longest synthetic document (the embedded default's max_seq_len is 768)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
@@ -233,10 +235,10 @@ def main():
     if device.type == "cuda":
         result["gpu"] = torch.cuda.get_device_name(device)
     if args.check and device.type == "cuda":
-        result["check"] = numerical_check(g, make_batch(min(args.tokens), g, device, seed=1), device, args)
+        result["check"] = numerical_check(g, make_batch(min(args.tokens), g, device, seed=1, max_doc=args.max_doc), device, args)
     rows = result["rows"]
     for T in args.tokens:
-        batch = make_batch(T, g, device, seed=T)
+        batch = make_batch(T, g, device, seed=T, max_doc=args.max_doc)
         impls = [(f"ours {v}" if device.type == "cuda" else "ours", ours, v)
                  for v in (args.variants if device.type == "cuda" else ["sdpa"])]
         impls += [] if args.skip_speculators else [("speculators 0.9.0", speculators_step, None)]
