@@ -7,10 +7,12 @@ Training-time test (TTT): step k feeds the layer's own output back with the teac
 k+1 ahead; its queries attend to step-0 keys causally within the document plus, at their own
 position only, to the keys of steps 1..k (the "diagonal" of speculators' extended mask).
 
-Attention runs per document of a packed sequence with torch SDPA, so its cost grows with the
-document lengths, not with the packed length (speculators materialises a T x (k+1)T mask).
+A TTT step k >= 1 computes only the positions that still have a loss target (TTTPlan); attention
+runs per document with torch SDPA on the CPU and as one block-sparse flex-attention call on CUDA,
+so its cost grows with the document lengths, not with the packed length (speculators materialises
+a T x (k+1)T mask).
 """
-import math
+import os
 from dataclasses import asdict, dataclass
 
 import torch
@@ -267,7 +269,6 @@ def optimize_for_gpu(model, compile_layers=True):
 
 def attention_backend(device):
     """flex attention (compiled, block-sparse) on CUDA; per-document SDPA elsewhere or when EAGLE3_ATTN=sdpa."""
-    import os
     want = os.environ.get("EAGLE3_ATTN", "auto")
     return "flex" if want == "flex" or (want == "auto" and device.type == "cuda") else "sdpa"
 
