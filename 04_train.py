@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import load_file
 
 from common.errors import UsageError, run_main
 from common.export import compare_with_reference, export_draft
@@ -23,7 +24,7 @@ from common.models import load_verifier_config, resolve_verifier
 from common.stage import ensure_writable, start
 from common.train_data import split_samples
 from common.trainer import (Trainer, build_model, dist_setup, geometry, latest_checkpoint, load_weights,
-                            plot_curves)
+                            plan_epochs, plot_curves)
 
 
 def read_inputs(cfg):
@@ -87,6 +88,7 @@ def main():
         raise UsageError(f"only {len(present)} hidden-state files in {hs_dir}; need at least 2 (train + validation)")
     lengths = {i: len(records[i]["input_ids"]) for i in present}
     train_idx, val_idx = split_samples(present, cfg.val_fraction, cfg.seed)
+    plan_epochs(train_idx, lengths, cfg, world)  # enough packed sequences for ranks x accumulation?
     need = memory_estimate(g, cfg.max_tokens_per_step, cfg.ttt_steps, min(max(lengths.values()), cfg.max_tokens_per_step))
     have = available_memory(device)
     log.info("plan: %d train / %d validation samples (%d tokens), draft hidden %d, heads %d/%d x %d, MLP %d, "
@@ -113,12 +115,15 @@ def main():
         return 0
     best = out / "checkpoints" / f"step_{state['best_step']}" if state.get("best_step") is not None else None
     final_val = [json.loads(l) for l in trainer.metrics_path.read_text().splitlines() if '"val"' in l]
-    if trainer.fsdp:  # the trained model is sharded: export from the last checkpoint into a plain copy
-        model = build_model(g, model_dir, target_ids)
-        load_weights(latest_checkpoint(out / "checkpoints"), model)
-    if best and best.exists():
-        load_weights(best, model)
-        log.info("exporting the best checkpoint %s (simulated acceptance length %.3f)", best.name, state["best"])
+    src = best if best and best.exists() else None
+    if src:
+        log.info("exporting the best checkpoint %s (simulated acceptance length %.3f)", src.name, state["best"])
+    if trainer.fsdp:  # the trained model is sharded across ranks: export a plain copy built from a checkpoint
+        torch.set_num_threads(os.cpu_count() or 1)  # the other ranks are done; torchrun left one thread each
+        src = src or latest_checkpoint(out / "checkpoints")
+        model = build_model(g, model_dir, target_ids, load_file(str(src / "trainable.safetensors")))
+    elif src:
+        load_weights(src, model)
     plot_curves(trainer.metrics_path, out / "curves.png", cfg.ttt_steps)
     return finish(cfg, log, model, g, layer_ids, model_dir, text_cfg, state, final_val, out, time.time() - t0,
                   len(train_idx), len(val_idx))

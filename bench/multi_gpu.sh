@@ -2,7 +2,7 @@
 # Multi-GPU training check at Kimi-K2.5 draft geometry on synthetic hidden states (needs 2 GPUs):
 #   1 GPU x 2 accumulated micro-batches vs torchrun 2 GPUs x 1 (same global batch): tokens/s, scaling,
 #   peak memory, per-step losses; then the same with FSDP; then an FSDP run killed mid-way and resumed.
-# Usage: bench/multi_gpu.sh OUT_DIR [STEPS]
+# Usage: [WORK=DIR] [RUNS="gpu1 ddp2 fsdp2 resume"] [EXTRA="--compile"] bench/multi_gpu.sh OUT_DIR [STEPS]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:?usage: bench/multi_gpu.sh OUT_DIR [STEPS]}; steps=${2:-12}
@@ -10,7 +10,7 @@ work=${WORK:-/tmp/kimi-synth}
 mkdir -p "$out"
 [[ -f $work/vocab/manifest.json ]] || python bench/synthetic_workdir.py --work-dir "$work" --samples 96 > "$out/synth.log" 2>&1
 args=(--config configs/kimi-k2.5.yaml --verifier "$work/verifier" --epochs 2 --max-steps "$steps" --warmup-steps 2
-      --lr 1e-4 --val-fraction 0.05 --log-interval 0 --num-workers 4 --save-every 4 --keep-last 3)
+      --lr 1e-4 --val-fraction 0.05 --log-interval 0 --num-workers 4 --save-every 4 --keep-last 3 ${EXTRA:-})
 run() {  # name, then extra args; a fresh copy of the inputs per run
   local name=$1; shift
   rm -rf "$work-$name"; mkdir -p "$work-$name"

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import draft  # noqa: E402
-from common.draft import DraftGeometry, Eagle3Draft, optimize_for_gpu, ttt_loss  # noqa: E402
+from common.draft import DraftGeometry, Eagle3Draft, OnHost, optimize_for_gpu, ttt_loss  # noqa: E402
 
 GEOMETRIES = {
     "smollm2": dict(hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64, intermediate_size=1536,
@@ -53,7 +53,7 @@ def make_batch(T, g, device, seed, max_doc=2048):
             "target_hidden": torch.randn(T, g.hidden_size, generator=gen).to(device, hs),
             "loss_mask": mask.to(device), "doc": doc.to(device),
             "pos": torch.cat([torch.arange(1, b - a + 1) for a, b in docs]).to(device), "docs": docs,
-            "cpu": {"loss_mask": mask, "doc": doc}}
+            "cpu": OnHost(loss_mask=mask, doc=doc)}
 
 
 def timed(step, n_warm, n, device):

@@ -304,13 +304,24 @@ def index_plan(mask0, doc, docs, ttt_steps, every_row=False):
     return ix
 
 
+class OnHost:
+    """Host copies of the mask and document ids, read like a dict. DDP and FSDP move every tensor they
+    find in a forward's arguments (inside lists, dicts, dataclasses) to the GPU, but not an object's."""
+
+    def __init__(self, **tensors):
+        self._t = tensors
+
+    def __getitem__(self, key):
+        return self._t[key]
+
+
 def move(ix, device):
     """Index tensors to the device without a host sync (pinned, non-blocking copies)."""
     if device.type == "cpu":
         return ix
     def mv(v):
         if torch.is_tensor(v):
-            return v.pin_memory().to(device, non_blocking=True)
+            return v.pin_memory().to(device, non_blocking=True) if v.device.type == "cpu" else v.to(device)
         return [mv(x) for x in v] if isinstance(v, list) and v and torch.is_tensor(v[0]) else v
     return {k: mv(v) for k, v in ix.items()}
 
@@ -349,7 +360,7 @@ def ttt_loss(model, batch, ttt_steps, decay):
     """
     aux, ids, pos, doc = batch["aux"], batch["ids"], batch["pos"], batch["doc"]
     T, dev = ids.shape[0], ids.device
-    cpu = batch.get("cpu") or {"loss_mask": batch["loss_mask"].cpu(), "doc": doc.cpu()}
+    cpu = batch.get("cpu") or OnHost(loss_mask=batch["loss_mask"].cpu(), doc=doc.cpu())
     ix = move(index_plan(cpu["loss_mask"].bool(), cpu["doc"], batch["docs"], ttt_steps), dev)
     valid = ix["valid"]
     with torch.no_grad():

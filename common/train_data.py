@@ -10,6 +10,7 @@ import random
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from common.draft import OnHost
 from common.hidden_states import read_sample, sample_path
 
 
@@ -80,7 +81,7 @@ def make_loader(folder, bins, budget, num_workers):
 def to_device(batch, device, dtype):
     """Hidden states in `dtype` (bf16 on GPUs: what the files hold); "cpu" keeps the mask and document
     ids on the host, where the step plans its row indices without waiting on the device."""
-    out = {"cpu": {"loss_mask": batch["loss_mask"], "doc": batch["doc"]}}
+    out = {"cpu": OnHost(loss_mask=batch["loss_mask"], doc=batch["doc"])}
     for k, v in batch.items():
         if k == "docs":
             out[k] = v

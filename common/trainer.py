@@ -40,9 +40,20 @@ def geometry(cfg, text_cfg, draft_vocab, num_aux):
     return g
 
 
-def build_model(g, model_dir, target_ids):
-    """Draft with frozen pieces from the verifier: embeddings, draft lm_head = verifier rows of the draft vocab."""
-    model = Eagle3Draft(g)
+def build_model(g, model_dir, target_ids, trained=None):
+    """Draft with frozen pieces from the verifier: embeddings, draft lm_head = verifier rows of the draft vocab.
+    trained: trainable weights from a checkpoint, loaded instead of a random init (which takes half a
+    minute for a Kimi-size draft on the one CPU thread torchrun leaves each rank)."""
+    if trained is None:
+        model = Eagle3Draft(g)
+    else:
+        with torch.device("meta"):
+            model = Eagle3Draft(g)
+        model.to_empty(device="cpu")
+        missing = [n for n, p in model.named_parameters() if p.requires_grad and n not in trained]
+        if missing:
+            raise RuntimeError(f"checkpoint lacks trainable weights {missing[:3]}")
+        model.load_state_dict(trained, strict=False)
     w = load_verifier_pieces(model_dir)
     rows = torch.as_tensor(target_ids) if target_ids is not None else torch.arange(g.verifier_vocab_size)
     with torch.no_grad():
@@ -232,8 +243,8 @@ def wrap_parallel(model, device, world, how):
     if world == 1:
         return model
     if how == "ddp":
-        return torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda"
-                                                         else None)
+        # device_ids=None: the batch is already on the device; DDP would copy even the host-side tensors
+        return torch.nn.parallel.DistributedDataParallel(model, device_ids=None)
     from torch.distributed.fsdp import fully_shard
     frozen = {p for p in model.parameters() if not p.requires_grad}
     fully_shard(model.layers[0], reshard_after_forward=False)
@@ -257,6 +268,18 @@ def all_reduce_sums(sums, device, ttt_steps):
 RESUME_KEYS = ("epochs", "max_steps", "lr", "warmup_steps", "weight_decay", "grad_clip", "grad_accum",
                "max_tokens_per_step", "ttt_steps", "ttt_decay", "seed", "val_fraction")
 
+def plan_epochs(train_idx, lengths, cfg, world):
+    """Packed sequences per epoch, cut to a multiple of ranks x accumulation: every optimizer step sees
+    the same global batch and no gradient is carried into the next epoch (DDP also needs every rank to
+    run the same number of backwards). The few dropped sequences differ per epoch (new shuffle)."""
+    per = world * cfg.grad_accum
+    epochs = [pack(train_idx, lengths, cfg.max_tokens_per_step, cfg.seed, e) for e in range(cfg.epochs)]
+    if len(epochs[0]) < per:
+        raise UsageError(f"{len(epochs[0])} packed sequences of {cfg.max_tokens_per_step} tokens per epoch, fewer than "
+                         f"{world} ranks x --grad-accum {cfg.grad_accum}; lower --grad-accum or --max-tokens-per-step")
+    return [b[:len(b) - len(b) % per] for b in epochs]
+
+
 class Trainer:
     def __init__(self, cfg, model, device, folder, train_idx, val_idx, lengths, out_dir, log, rank=0, world=1):
         self.cfg, self.device, self.folder, self.out, self.log = cfg, device, folder, Path(out_dir), log
@@ -270,11 +293,8 @@ class Trainer:
         self.ddp = wrap_parallel(model, device, world, cfg.parallel)
         self.opt = torch.optim.AdamW(model.trainable_parameters(), lr=cfg.lr, betas=(0.9, 0.95),
                                      weight_decay=cfg.weight_decay, fused=device.type == "cuda" and not self.fsdp)
-        # every rank must run the same number of micro-batches (DDP all-reduces each backward)
-        self.epoch_bins = [b[:len(b) - len(b) % world] for b in
-                           (pack(train_idx, lengths, cfg.max_tokens_per_step, cfg.seed, e) for e in range(cfg.epochs))]
-        steps_per_epoch = [math.ceil(len(b) / world / cfg.grad_accum) for b in self.epoch_bins]
-        self.total_steps = sum(steps_per_epoch)
+        self.epoch_bins = plan_epochs(train_idx, lengths, cfg, world)
+        self.total_steps = sum(len(b) // (world * cfg.grad_accum) for b in self.epoch_bins)
         if cfg.max_steps:
             self.total_steps = min(self.total_steps, cfg.max_steps)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg.warmup_steps, self.total_steps))
@@ -316,6 +336,7 @@ class Trainer:
                 fh.write(json.dumps(row) + "\n")
 
     def _checkpoint(self, val=None):
+        t0 = time.time()
         weights, opt_state = gather_states(self.model, self.opt, self.fsdp)  # collective under FSDP
         if self.rank != 0:
             return
@@ -325,6 +346,8 @@ class Trainer:
         save_checkpoint(self.ckpt_dir / name, weights, opt_state, self.sched, dict(self.state))
         best = f"step_{self.state['best_step']}" if self.state["best_step"] is not None else None
         prune_checkpoints(self.ckpt_dir, self.cfg.keep_last, best)
+        size = sum(f.stat().st_size for f in (self.ckpt_dir / name).iterdir())
+        self.log.info("checkpoint %s: %.2f GB in %.1f s", name, size / 1e9, time.time() - t0)
 
     def run_validation(self):
         if not self.val_bins:

@@ -169,3 +169,38 @@ def test_kimi_config_export_matches_aq_medai_reference():
         model = Eagle3Draft(g)
     shapes = {k: list(v.shape) for k, v in export_weights(model, cfg.export_format).items()}
     assert compare_with_reference(shapes, ROOT / "tests" / "data" / "aq_medai_kimi_k25_eagle3_shapes.json") == []
+
+
+def test_epochs_cut_to_whole_global_batches():
+    """Each epoch holds a multiple of ranks x accumulation packed sequences (no gradient carried over);
+    too few sequences for one global batch is a usage error before any model is built."""
+    from common.errors import UsageError
+    from common.train_data import pack
+    from common.trainer import plan_epochs
+    lengths = {i: 100 + 37 * i for i in range(40)}
+    cfg = SimpleNamespace(max_tokens_per_step=512, seed=0, epochs=3, grad_accum=2)
+    full = [pack(list(lengths), lengths, 512, 0, e) for e in range(3)]
+    for world in (1, 2, 3):
+        bins = plan_epochs(list(lengths), lengths, cfg, world)
+        for b, f in zip(bins, full):
+            assert len(b) % (world * 2) == 0 and len(f) - len(b) < world * 2 and b == f[:len(b)]
+    with pytest.raises(UsageError, match="grad-accum"):
+        plan_epochs(list(lengths), lengths, SimpleNamespace(**{**vars(cfg), "grad_accum": 64}), 1)
+
+
+def test_build_model_from_trained_weights_skips_random_init(extracted):
+    """The FSDP export path: a draft built from checkpoint weights equals one loaded the usual way."""
+    from common.draft import DraftGeometry
+    from common.models import resolve_verifier
+    from common.trainer import build_model, trainable_state
+    g = DraftGeometry(hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64, intermediate_size=256,
+                      rms_norm_eps=1e-5, rope_theta=1e5, max_position_embeddings=2048, verifier_vocab_size=49152,
+                      draft_vocab_size=49152, num_aux=3, norm_before_residual=True)
+    model_dir = resolve_verifier("embedded:smollm2-135m-instruct")
+    torch.manual_seed(0)
+    ref = build_model(g, model_dir, None)
+    fast = build_model(g, model_dir, None, trainable_state(ref))
+    a, b = ref.state_dict(), fast.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(RuntimeError, match="lacks trainable"):
+        build_model(g, model_dir, None, {k: v for k, v in trainable_state(ref).items() if not k.startswith("fc")})
