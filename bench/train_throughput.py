@@ -25,7 +25,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import draft  # noqa: E402
-from common.draft import DraftGeometry, Eagle3Draft, OnHost, optimize_for_gpu, ttt_loss  # noqa: E402
+from common.draft import DraftGeometry, Eagle3Draft, OnHost, optimize_bf16, ttt_loss  # noqa: E402
+from common.trainer import use_bf16  # noqa: E402
 
 GEOMETRIES = {
     "smollm2": dict(hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64, intermediate_size=1536,
@@ -35,7 +36,7 @@ GEOMETRIES = {
 }
 
 
-def make_batch(T, g, device, seed, max_doc=2048):
+def make_batch(T, g, device, seed, max_doc=2048, bf16=None):
     """Documents of 200..max_doc tokens; each a prompt (unmasked) then an answer (masked), ~60% of tokens."""
     gen = torch.Generator().manual_seed(seed)
     docs, a = [], 0
@@ -47,7 +48,8 @@ def make_batch(T, g, device, seed, max_doc=2048):
     for a, b in docs:
         mask[a + int((b - a) * float(torch.empty(1).uniform_(0.25, 0.55, generator=gen))):b] = 1
     doc = torch.cat([torch.full((b - a,), j) for j, (a, b) in enumerate(docs)])
-    hs = torch.bfloat16 if device.type == "cuda" else torch.float32  # as the trainer feeds it
+    bf16 = device.type == "cuda" if bf16 is None else bf16
+    hs = torch.bfloat16 if bf16 else torch.float32  # as the trainer feeds it
     return {"aux": torch.randn(T, 3 * g.hidden_size, generator=gen).to(device, hs),
             "ids": torch.randint(0, g.verifier_vocab_size, (T,), generator=gen).to(device),
             "target_hidden": torch.randn(T, g.hidden_size, generator=gen).to(device, hs),
@@ -104,10 +106,10 @@ def new_draft(g):
 def ours(g, batch, device, args, variant="flex+compile"):
     os.environ["EAGLE3_ATTN"] = "sdpa" if variant == "sdpa" else "flex"
     model = new_draft(g).to(device)
-    if device.type == "cuda":
-        optimize_for_gpu(model, compile_layers="compile" in variant)
+    if args.bf16:
+        optimize_bf16(model, compile_layers="compile" in variant and device.type == "cuda")
     opt = torch.optim.AdamW(model.trainable_parameters(), lr=1e-4, fused=device.type == "cuda")
-    ctx = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    ctx = torch.autocast(device.type, torch.bfloat16, enabled=args.bf16)
 
     def step():
         with ctx:
@@ -142,7 +144,7 @@ def numerical_check(g, batch, device, args):
         m.load_state_dict(base.state_dict())
         m = m.to(device)
         if amp:  # bf16 frozen pieces need autocast
-            optimize_for_gpu(m, compile_layers="compile" in variant)
+            optimize_bf16(m, compile_layers="compile" in variant)
         b = batch if amp else {k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v
                                for k, v in batch.items()}
         with torch.autocast("cuda", torch.bfloat16, enabled=amp):
@@ -192,10 +194,11 @@ def speculators_step(g, batch, device, args):
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4,
                             fused=device.type == "cuda")
     loss_cfg = resolve_loss_config("kl_div", "eager")  # its fused loss is Triton/GPU only
-    ctx = torch.autocast("cuda", torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
-    kw = dict(hidden_states=batch["aux"][None], input_ids=batch["ids"][None], document_ids=batch["doc"][None],
+    ctx = torch.autocast(device.type, torch.bfloat16, enabled=args.speculators_bf16)
+    hs = torch.bfloat16 if args.speculators_bf16 else torch.float32
+    kw = dict(hidden_states=batch["aux"][None].to(hs), input_ids=batch["ids"][None], document_ids=batch["doc"][None],
               loss_mask=batch["loss_mask"][None].bool(), position_ids=batch["pos"][None],
-              verifier_last_hidden_states=batch["target_hidden"][None], ttt_steps=args.ttt,
+              verifier_last_hidden_states=batch["target_hidden"][None].to(hs), ttt_steps=args.ttt,
               ttt_step_loss_decay=0.8, loss_config=loss_cfg)
 
     def step():
@@ -222,9 +225,14 @@ def main():
     ap.add_argument("--skip-speculators", action="store_true")
     ap.add_argument("--check", action="store_true", help="GPU: compare loss/gradients of the variants first")
     ap.add_argument("--profile", action="store_true", help="GPU: print the top kernels of 2 steps per variant")
+    ap.add_argument("--amp", default="auto", choices=["auto", "bf16", "off"], help="ours, as 04_train.py --amp")
+    ap.add_argument("--speculators-amp", default="auto", choices=["auto", "bf16", "off"],
+                    help="speculators' step: auto = bf16 autocast on CUDA, fp32 on CPU")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     device = torch.device(args.device)
+    args.bf16 = use_bf16(device, args.amp)
+    args.speculators_bf16 = args.speculators_amp == "bf16" or (args.speculators_amp == "auto" and device.type == "cuda")
     g = DraftGeometry(**GEOMETRIES[args.geometry], draft_vocab_size=args.draft_vocab)
     fpt = flops_per_token(g, args.ttt)
     ceiling = matmul_ceiling(device) if device.type == "cuda" else float("nan")
@@ -238,7 +246,7 @@ def main():
         result["check"] = numerical_check(g, make_batch(min(args.tokens), g, device, seed=1, max_doc=args.max_doc), device, args)
     rows = result["rows"]
     for T in args.tokens:
-        batch = make_batch(T, g, device, seed=T, max_doc=args.max_doc)
+        batch = make_batch(T, g, device, seed=T, max_doc=args.max_doc, bf16=args.bf16)
         impls = [(f"ours {v}" if device.type == "cuda" else "ours", ours, v)
                  for v in (args.variants if device.type == "cuda" else ["sdpa"])]
         impls += [] if args.skip_speculators else [("speculators 0.9.0", speculators_step, None)]

@@ -121,6 +121,8 @@ OPTIONS = [
     Opt("device", str, "auto", "training device: auto, cpu, cuda", stages="4"),
     Opt("parallel", str, "ddp", "several processes (torchrun): ddp replicates the draft, fsdp shards its "
         "trainable weights, gradients and optimizer state", stages="4", choices=("ddp", "fsdp")),
+    Opt("amp", str, "auto", "training precision: bf16 autocast with fp32 master weights, or off (fp32); auto: bf16 "
+        "on GPUs and on CPUs with AMX bf16 units (Sapphire Rapids and later)", stages="4", choices=("auto", "bf16", "off")),
     Opt("compile", _bool, True, "GPU: fused kernels via torch.compile and block-sparse flex attention",
         stages="4", flag=True),
     Opt("num_threads", int, 0, "CPU threads for torch (0 = all cores)", stages="45"),

@@ -67,7 +67,7 @@ def _rope(x, pos, theta):
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
-rope = _rope  # optimize_for_gpu swaps in a compiled version
+rope = _rope  # optimize_bf16 swaps in a compiled version
 
 
 class Attention(nn.Module):
@@ -248,9 +248,10 @@ class Eagle3Draft(nn.Module):
         return [self.lm_head(self.norm(h)) for _, h in self.run_steps(aux, ids, pos, plan)]
 
 
-def optimize_for_gpu(model, compile_layers=True):
-    """CUDA: frozen pieces in bf16 (they never update; halves their memory), and the elementwise chains
-    (RMSNorms, SwiGLU, RoPE) compiled into fused kernels. Module.compile keeps the weight names."""
+def optimize_bf16(model, compile_layers=True):
+    """For bf16 autocast: frozen pieces in bf16 (they never update; halves their memory); on CUDA also
+    the elementwise chains (RMSNorms, SwiGLU, RoPE) compiled into fused kernels. Module.compile keeps
+    the weight names."""
     for m in (model.embed_tokens, model.lm_head):
         m.to(torch.bfloat16)
     if torch.equal(model.verifier_lm_head.weight.to(torch.bfloat16), model.lm_head.weight):

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from common.draft import DraftGeometry, Eagle3Draft, acceptance_length, optimize_for_gpu
+from common.draft import DraftGeometry, Eagle3Draft, acceptance_length, optimize_bf16
 from common.errors import UsageError
 from common.io import write_json_atomic
 from common.log import fmt_duration
@@ -181,10 +181,20 @@ def accumulate(sums, metrics):
     sums["batches"] = sums.get("batches", 0) + 1
 
 
-def autocast(device):
-    if device.type == "cuda":
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return torch.autocast("cpu", enabled=False)
+def cpu_has_amx():
+    try:
+        return "amx_bf16" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+def use_bf16(device, amp):
+    """bf16 autocast where matmuls are fast in bf16: GPUs, and CPUs with AMX (4x fp32 per core here)."""
+    return amp == "bf16" or (amp == "auto" and (device.type == "cuda" or cpu_has_amx()))
+
+
+def autocast(device, bf16):
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
 
 
 def peak_memory_gb(device):
@@ -286,9 +296,11 @@ class Trainer:
         self.rank, self.world = rank, world
         self.train_idx, self.val_idx, self.lengths = train_idx, val_idx, lengths
         self.model = model.to(device)
-        if device.type == "cuda":
-            optimize_for_gpu(model, cfg.compile)
-        self.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        self.bf16 = use_bf16(device, cfg.amp)
+        if self.bf16:
+            optimize_bf16(model, cfg.compile and device.type == "cuda")
+        self.dtype = torch.bfloat16 if self.bf16 else torch.float32
+        log.info("precision: %s (--amp %s)", "bf16 autocast, fp32 master weights" if self.bf16 else "fp32", cfg.amp)
         self.fsdp = world > 1 and cfg.parallel == "fsdp"
         self.ddp = wrap_parallel(model, device, world, cfg.parallel)
         self.opt = torch.optim.AdamW(model.trainable_parameters(), lr=cfg.lr, betas=(0.9, 0.95),
@@ -338,8 +350,10 @@ class Trainer:
     def _checkpoint(self, val=None):
         t0 = time.time()
         weights, opt_state = gather_states(self.model, self.opt, self.fsdp)  # collective under FSDP
+        if val is not None:
+            self.state["validated_step"] = self.state["step"]  # a re-run of a finished run skips it
         if self.rank != 0:
-            return
+            return time.time() - t0
         name = f"step_{self.state['step']}"
         if val is not None and (self.state["best"] is None or val["acceptance_length"] > self.state["best"]):
             self.state["best"], self.state["best_step"] = val["acceptance_length"], self.state["step"]
@@ -348,6 +362,7 @@ class Trainer:
         prune_checkpoints(self.ckpt_dir, self.cfg.keep_last, best)
         size = sum(f.stat().st_size for f in (self.ckpt_dir / name).iterdir())
         self.log.info("checkpoint %s: %.2f GB in %.1f s", name, size / 1e9, time.time() - t0)
+        return time.time() - t0
 
     def run_validation(self):
         if not self.val_bins:
@@ -362,7 +377,7 @@ class Trainer:
         with torch.no_grad():
             for i, batch in enumerate(loader):
                 batch = to_device(batch, self.device, self.dtype)
-                with autocast(self.device):
+                with autocast(self.device, self.bf16):
                     _, m = self.ddp(batch, self.cfg.ttt_steps, self.cfg.ttt_decay)
                 if i < len(bins):
                     accumulate(sums, m)
@@ -388,7 +403,7 @@ class Trainer:
             t_step = time.time()
             for batch in loader:
                 batch = to_device(batch, self.device, self.dtype)
-                with autocast(self.device):
+                with autocast(self.device, self.bf16):
                     loss, metrics = self.ddp(batch, cfg.ttt_steps, cfg.ttt_decay)
                 (loss / cfg.grad_accum).backward()
                 accumulate(window["sums"], metrics)
@@ -409,18 +424,20 @@ class Trainer:
                     self._log_train(window, step_time)
                     last_log, window = time.time(), {"tokens": 0, "t": time.time(), "sums": {}}
                 if cfg.save_every and st["step"] % cfg.save_every == 0:
-                    self._checkpoint()
+                    paused = self._checkpoint()
+                    t_step += paused  # step times and tokens/s leave the save out (it is logged on its own)
+                    window["t"] += paused
                 if st["step"] >= self.total_steps:
                     break
             if st["step"] >= self.total_steps and st["bin"] < len(mine):
                 break
             st["epoch"] += 1
             st["bin"] = 0
-            val = self.run_validation()
-            self._checkpoint(val)
-        if st["bin"]:  # stopped mid-epoch by --max-steps: validate and checkpoint that point too
-            val = self.run_validation()
-            self._checkpoint(val)
+            t0 = time.time()
+            self._checkpoint(self.run_validation())
+            window["t"] += time.time() - t0
+        if st["bin"] and st.get("validated_step") != st["step"]:  # stopped mid-epoch by --max-steps
+            self._checkpoint(self.run_validation())
         return st
 
     def _optimizer_step(self):

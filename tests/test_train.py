@@ -152,6 +152,11 @@ def test_sigkill_resume_matches_uninterrupted(extracted, tmp_path):
     curves = [[(r["step"], round(r["loss_0"], 5)) for r in map(json.loads, (w / "train" / "metrics.jsonl")
                .read_text().splitlines()) if r["kind"] == "train"] for w in runs.values()]
     assert curves[0] == curves[1]  # the resumed run follows the same loss curve
+    # the same command once more on a finished run: nothing retrained, re-validated or lost
+    metrics = (runs["killed"] / "train" / "metrics.jsonl").read_text()
+    proc = run_script("04_train.py", "--work-dir", runs["killed"], *args)
+    assert proc.returncode == 0 and "resumed from" in proc.output and "validation @" not in proc.output
+    assert (runs["killed"] / "train" / "metrics.jsonl").read_text() == metrics
 
 
 def test_kimi_config_export_matches_aq_medai_reference():
