@@ -69,10 +69,11 @@ class PackedDataset(Dataset):
         return out
 
 
-def make_loader(folder, bins, budget, num_workers):
-    """Background workers prefetch the next packed sequences while the current step runs."""
+def make_loader(folder, bins, budget, num_workers, pin=False):
+    """Background workers prefetch the next packed sequences while the current step runs; pin: page-locked
+    batches, so the host-to-GPU copies (~0.5 GB per 8192 Kimi tokens) run asynchronously."""
     ds = PackedDataset(folder, bins, budget)
-    kwargs = dict(batch_size=None, shuffle=False, num_workers=num_workers)
+    kwargs = dict(batch_size=None, shuffle=False, num_workers=num_workers, pin_memory=pin)
     if num_workers:
         kwargs.update(prefetch_factor=4, persistent_workers=False)
     return DataLoader(ds, **kwargs)

@@ -398,7 +398,8 @@ class Trainer:
         while st["epoch"] < cfg.epochs and st["step"] < self.total_steps:
             bins = self.epoch_bins[st["epoch"]]
             mine = bins[self.rank::self.world]
-            loader = make_loader(self.folder, mine[st["bin"]:], cfg.max_tokens_per_step, cfg.num_workers)
+            loader = make_loader(self.folder, mine[st["bin"]:], cfg.max_tokens_per_step, cfg.num_workers,
+                                 pin=self.device.type == "cuda")
             micro = step_tokens = 0
             t_step = time.time()
             for batch in loader:
