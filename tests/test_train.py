@@ -17,8 +17,11 @@ from safetensors.torch import load_file
 from conftest import ROOT, run_script
 
 VOCAB = ["--draft-vocab-size", 1024]
+# fp32 (--amp off): the capacity check; bf16 memorises the same data less exactly in 60 epochs (mean
+# accuracy of the last 6 steps 0.91 against 0.95 measured), its learning is what the default run shows
 OVERFIT = [*VOCAB, "--epochs", 60, "--max-tokens-per-step", 256, "--num-workers", 0, "--val-fraction", 0.5,
-           "--lr", 3e-3, "--warmup-steps", 10, "--keep-last", 1, "--dtype", "float32", "--max-seq-len", 192]
+           "--lr", 3e-3, "--warmup-steps", 10, "--keep-last", 1, "--dtype", "float32", "--max-seq-len", 192,
+           "--amp", "off", "--log-interval", 0]
 
 
 def copy_work(src, dst):
@@ -38,8 +41,10 @@ def trained(extracted, tmp_path_factory):
 
 def test_overfits_a_few_samples(trained):
     rows = [json.loads(l) for l in (trained / "train" / "metrics.jsonl").read_text().splitlines()]
-    last = [r for r in rows if r["kind"] == "train"][-1]
-    assert last["full_acc_0"] >= 0.9, last
+    train = [r for r in rows if r["kind"] == "train"]
+    last_epoch = [r for r in train if r["epoch"] == train[-1]["epoch"]]  # one row per step (--log-interval 0)
+    assert sum(r["full_acc_0"] for r in last_epoch) / len(last_epoch) >= 0.9, last_epoch
+    last = train[-1]
     man = json.loads((trained / "train" / "manifest.json").read_text())
     assert man["counts"]["steps"] == last["step"] and man["best_validation"]["acceptance_length"] >= 1.0
     assert (trained / "train" / "curves.png").stat().st_size > 10000
