@@ -278,6 +278,7 @@ def all_reduce_sums(sums, device, ttt_steps):
 RESUME_KEYS = ("epochs", "max_steps", "lr", "warmup_steps", "weight_decay", "grad_clip", "grad_accum",
                "max_tokens_per_step", "ttt_steps", "ttt_decay", "seed", "val_fraction")
 
+
 def plan_epochs(train_idx, lengths, cfg, world):
     """Packed sequences per epoch, cut to a multiple of ranks x accumulation: every optimizer step sees
     the same global batch and no gradient is carried into the next epoch (DDP also needs every rank to
