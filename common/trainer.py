@@ -361,9 +361,9 @@ class Trainer:
         save_checkpoint(self.ckpt_dir / name, weights, opt_state, self.sched, dict(self.state))
         best = f"step_{self.state['best_step']}" if self.state["best_step"] is not None else None
         prune_checkpoints(self.ckpt_dir, self.cfg.keep_last, best)
-        size = sum(f.stat().st_size for f in (self.ckpt_dir / name).iterdir())
-        self.log.info("checkpoint %s: %.2f GB in %.1f s", name, size / 1e9, time.time() - t0)
-        return time.time() - t0
+        size, seconds = sum(f.stat().st_size for f in (self.ckpt_dir / name).iterdir()), time.time() - t0
+        self.log.info("checkpoint %s: %.2f GB in %.1f s", name, size / 1e9, seconds)
+        return seconds
 
     def run_validation(self):
         if not self.val_bins:
