@@ -121,7 +121,9 @@ def main():
     if trainer.fsdp:  # the trained model is sharded across ranks: export a plain copy built from a checkpoint
         torch.set_num_threads(os.cpu_count() or 1)  # the other ranks are done; torchrun left one thread each
         src = src or latest_checkpoint(out / "checkpoints")
+        t1 = time.time()
         model = build_model(g, model_dir, target_ids, load_file(str(src / "trainable.safetensors")))
+        log.info("plain copy for export built from %s in %.1f s", src.name, time.time() - t1)
     elif src:
         load_weights(src, model)
     plot_curves(trainer.metrics_path, out / "curves.png", cfg.ttt_steps)

@@ -228,16 +228,17 @@ class Eagle3Draft(nn.Module):
         """Training: -> (loss, metrics); see ttt_loss. A forward() so DDP can wrap the model."""
         return ttt_loss(self, batch, ttt_steps, decay)
 
-    def run_steps(self, aux, ids, pos, plan):
-        """Teacher-forced TTT unroll over plan.rows; yields (step, output hidden [len(rows[k]), H])."""
+    def run_steps(self, aux, embeds, pos, plan):
+        """Teacher-forced TTT unroll over plan.rows; yields (step, output hidden [len(rows[k]), H]).
+        embeds [T, H]: the input embeddings of the tokens (token i+1 at row i)."""
         hidden = self.fc(aux)
         layer = self.layers[0]
-        h = layer(self.embed_tokens(ids), hidden, pos, plan, 0, qsel=plan.rows[0])
+        h = layer(embeds, hidden, pos, plan, 0, qsel=plan.rows[0])
         yield 0, h
         for k in range(1, len(plan.rows)):
             rows = plan.rows[k]
             # rows[k] is a subset of rows[k-1]: carry each row's hidden state forward
-            h = layer(self.embed_tokens(ids[rows + k]), h[plan.lookup[k - 1][rows]], pos[rows] + k, plan, k)
+            h = layer(embeds[rows + k], h[plan.lookup[k - 1][rows]], pos[rows] + k, plan, k)
             yield k, h
 
     def unroll(self, aux, ids, pos, doc, docs, ttt_steps):
@@ -245,7 +246,7 @@ class Eagle3Draft(nn.Module):
         T = ids.shape[0]
         ix = index_plan(torch.ones(T, dtype=torch.bool), doc.cpu(), docs, ttt_steps, every_row=True)
         plan = make_plan(ix, T, doc, docs, ids.device)
-        return [self.lm_head(self.norm(h)) for _, h in self.run_steps(aux, ids, pos, plan)]
+        return [self.lm_head(self.norm(h)) for _, h in self.run_steps(aux, self.embed_tokens(ids), pos, plan)]
 
 
 def optimize_bf16(model, compile_layers=True):
@@ -253,7 +254,8 @@ def optimize_bf16(model, compile_layers=True):
     the elementwise chains (RMSNorms, SwiGLU, RoPE) compiled into fused kernels. Module.compile keeps
     the weight names."""
     for m in (model.embed_tokens, model.lm_head):
-        m.to(torch.bfloat16)
+        if m is not None:  # None: the embedding was taken to the host (take_embedding)
+            m.to(torch.bfloat16)
     if torch.equal(model.verifier_lm_head.weight.to(torch.bfloat16), model.lm_head.weight):
         model.verifier_lm_head.weight = model.lm_head.weight  # the same frozen rows (build_model): store once
     else:
@@ -266,6 +268,15 @@ def optimize_bf16(model, compile_layers=True):
     global rope
     rope = torch.compile(_rope, dynamic=True) if compile_layers else _rope
     return model
+
+
+def take_embedding(model, dtype):
+    """Remove the frozen input embedding from the model; -> its weight in `dtype`, a host tensor. On GPUs the
+    loader looks up each batch's tokens in it, so only [T, H] rows travel and the table (163840 x 7168 =
+    2.3 GB in bf16 at Kimi scale) takes no GPU memory."""
+    w = model.embed_tokens.weight.detach().to(dtype)
+    model.embed_tokens = None
+    return w
 
 
 def attention_backend(device):
@@ -353,13 +364,14 @@ class SoftKL(torch.autograd.Function):
 def ttt_loss(model, batch, ttt_steps, decay):
     """KL(verifier || draft) on the draft vocab per TTT step, masked; -> (loss, metrics counts).
 
-    batch: aux [T, 3H], ids [T] (token i+1), target_hidden [T, H] (verifier h_N at i+1),
+    batch: aux [T, 3H], ids [T] (token i+1), embeds [T, H] (optional: their embeddings), target_hidden [T, H] (verifier h_N at i+1),
     loss_mask [T], doc [T] document index, pos [T], docs [(start, end)].
     Teacher forcing feeds ground-truth tokens forward, so a start position needs computing at step k
     only if it has a loss target at step k or later: the layer runs on those rows only (step 0 keeps
     keys/values everywhere), the vocab projections only at loss-masked targets.
     """
     aux, ids, pos, doc = batch["aux"], batch["ids"], batch["pos"], batch["doc"]
+    embeds = batch["embeds"] if "embeds" in batch else model.embed_tokens(ids)  # looked up by the loader on GPUs
     T, dev = ids.shape[0], ids.device
     cpu = batch.get("cpu") or OnHost(loss_mask=batch["loss_mask"].cpu(), doc=doc.cpu())
     ix = move(index_plan(cpu["loss_mask"].bool(), cpu["doc"], batch["docs"], ttt_steps), dev)
@@ -372,7 +384,7 @@ def ttt_loss(model, batch, ttt_steps, decay):
     plan = make_plan(ix, T, doc, batch["docs"], dev)
     chain_ok = torch.ones(T, dtype=torch.bool, device=dev)  # drafts 0..k-1 right from start i
     total, metrics = 0.0, {}
-    for k, h in model.run_steps(aux, ids, pos, plan):
+    for k, h in model.run_steps(aux, embeds, pos, plan):
         sel, tr = ix["sel"][k], ix["tr"][k]
         logits = model.lm_head(model.norm(h[ix["local"][k]]))
         step_loss = SoftKL.apply(logits, target_logp, tr).sum() / max(len(sel), 1)

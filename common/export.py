@@ -15,12 +15,11 @@ from safetensors.torch import save_file
 from common.io import atomic_path, write_json_atomic
 
 
-def export_weights(model, fmt, include_embeddings=False):
+def export_weights(model, fmt):
+    """The draft's own weights in bf16; the embedding is the verifier's (vLLM shares it), so it is left out."""
     g = model.g
     sd = {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()
-          if not k.startswith("verifier_") and k not in ("d2t", "t2d")}
-    if not include_embeddings:
-        sd.pop("embed_tokens.weight")
+          if not k.startswith(("verifier_", "embed_tokens")) and k not in ("d2t", "t2d")}
     if g.draft_vocab_size < g.verifier_vocab_size:
         sd["d2t"], sd["t2d"] = model.d2t.detach().to(torch.int64), model.t2d.detach()
     if fmt == "eagle":

@@ -1,5 +1,7 @@
 """Start-of-stage boilerplate shared by the numbered scripts."""
+import faulthandler
 import os
+import signal
 from pathlib import Path
 
 from common.config import parse_config
@@ -11,6 +13,7 @@ def start(stage, name, description, argv=None):
     """Parse options (exit 2 on errors), set up logging, log the full resolved config."""
     cfg = parse_config(stage, description, argv)
     log = setup_logging(name)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID`: every thread's stack to the log
     src = f" from {cfg.config_file}" if cfg.config_file else ""
     log.info("%s%s; resolved config%s:\n%s", name, " (dry run)" if cfg.dry_run else "", src, cfg.describe())
     return cfg, log

@@ -61,7 +61,7 @@ def test_speculators_loads_checkpoint_and_computes_same_outputs(trained):
     from speculators.losses import resolve_loss_config
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
 
-    from common.draft import DraftGeometry, ttt_loss
+    from common.draft import DraftGeometry, take_embedding, ttt_loss
     from common.train_data import PackedDataset
     from common.trainer import build_model
     conf = Eagle3SpeculatorConfig.from_pretrained(str(trained / "final_draft"))
@@ -93,6 +93,12 @@ def test_speculators_loads_checkpoint_and_computes_same_outputs(trained):
         agree = (logits[k].argmax(-1)[:n] == draft_tokens[k][0][:n]).float().mean().item()
         assert agree > 0.99, (k, agree)
     torch.testing.assert_close(our_loss, ref_loss, rtol=2e-3, atol=2e-3)
+    # the GPU path: embedding taken out of the model, the loader looks the tokens up on the host
+    host = PackedDataset(trained / "hidden_states", [[0]], 4096, embed=take_embedding(ours, torch.float32))[0]
+    assert ours.embed_tokens is None and torch.equal(host["embeds"], ref.embed_tokens.weight.float()[host["ids"]])
+    host = {k: (v.float() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in host.items()}
+    with torch.no_grad():
+        assert torch.equal(ttt_loss(ours, host, 3, 0.8)[0], our_loss)
 
 
 def target_ids(work):
