@@ -106,6 +106,10 @@ def gather_states(model, opt, fsdp):
         return trainable_state(model), opt.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
     msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if torch.cuda.is_available():
+        # only rank 0 waits for the gathered copies; the others would return with their all-gathers still
+        # queued and, after the last checkpoint, exit: rank 0 then hung forever (seen on 2 H200s)
+        torch.cuda.synchronize()
     return {k: v for k, v in msd.items() if is_trainable_key(k)}, osd
 
 
@@ -429,7 +433,8 @@ class Trainer:
                 if time.time() - last_log >= min(cfg.log_interval, 10) or st["step"] in (1, self.total_steps):
                     self._log_train(window, step_time)
                     last_log, window = time.time(), self._window()
-                if cfg.save_every and st["step"] % cfg.save_every == 0:
+                last = st["step"] >= self.total_steps or st["bin"] >= len(mine)  # validated and saved below anyway
+                if cfg.save_every and st["step"] % cfg.save_every == 0 and not last:
                     paused = self._checkpoint()
                     t_step += paused  # step times and tokens/s leave the save out (it is logged on its own)
                     window["t"] += paused
