@@ -185,6 +185,22 @@ def accumulate(sums, metrics):
     sums["batches"] = sums.get("batches", 0) + 1
 
 
+def global_sums(sums, device, world):
+    """One optimizer step's metric sums over all ranks (so the log shows the global batch's loss, not rank 0's
+    share); an all-reduce every step, queued on the device, read only when a line is logged."""
+    if world == 1:
+        return sums
+    keys = sorted(k for k in sums if k != "batches")
+    t = torch.stack([torch.as_tensor(sums[k], dtype=torch.float64, device=device) for k in keys])
+    dist.all_reduce(t)
+    return dict(zip(keys, t.unbind()), batches=sums["batches"] * world)
+
+
+def merge_sums(total, part):
+    for k, v in part.items():
+        total[k] = total.get(k, 0) + v
+
+
 def cpu_has_amx():
     try:
         return "amx_bf16" in Path("/proc/cpuinfo").read_text()
@@ -410,13 +426,14 @@ class Trainer:
             loader = make_loader(self.folder, mine[st["bin"]:], cfg.max_tokens_per_step, cfg.num_workers,
                                  pin=self.device.type == "cuda", embed=self.host_embed)
             micro = step_tokens = 0
+            step_sums = {}
             t_step = time.time()
             for batch in self._waited(loader):
                 batch = to_device(batch, self.device, self.dtype)
                 with autocast(self.device, self.bf16):
                     loss, metrics = self.ddp(batch, cfg.ttt_steps, cfg.ttt_decay)
                 (loss / cfg.grad_accum).backward()
-                accumulate(window["sums"], metrics)
+                accumulate(step_sums, metrics)
                 window["tokens"] += int(batch["ids"].shape[0])
                 step_tokens += int(batch["ids"].shape[0]) * self.world
                 st["bin"] += 1
@@ -424,6 +441,8 @@ class Trainer:
                 if micro % cfg.grad_accum:
                     continue
                 self._optimizer_step()
+                merge_sums(window["sums"], global_sums(step_sums, self.device, self.world))
+                step_sums = {}
                 st["step"] += 1
                 st["tokens"] += step_tokens
                 step_tokens = 0

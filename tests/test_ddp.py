@@ -1,5 +1,6 @@
 """torchrun on CPU (gloo): 2 ranks x 1 micro-batch equal 1 process x 2 accumulated micro-batches,
 with DDP and with FSDP; an FSDP run resumed from a mid-run checkpoint ends where it would have."""
+import json
 import shutil
 import subprocess
 import sys
@@ -12,7 +13,7 @@ from conftest import ROOT, run_script
 
 ARGS = ["--draft-vocab-size", 512, "--max-steps", 3, "--max-tokens-per-step", 256, "--num-workers", 0,
         "--val-fraction", 0.2, "--lr", 1e-3, "--max-seq-len", 192, "--num-threads", 1, "--save-every", 1,
-        "--amp", "off"]  # fp32: in bf16, AdamW turns rounding-level gradient differences into lr-sized steps
+        "--amp", "off", "--log-interval", 0]  # fp32: in bf16, AdamW turns rounding-level gradient differences into lr-sized steps
 
 
 def make_work(extracted, work):
@@ -32,6 +33,11 @@ def torchrun(work, *extra, port=29531):
 
 def last_step(work):
     return max(int(p.name[5:]) for p in (work / "train" / "checkpoints").glob("step_*"))
+
+
+def logged_losses(work):
+    rows = [json.loads(l) for l in (work / "train" / "metrics.jsonl").read_text().splitlines()]
+    return [[r[f"loss_{k}"] for k in range(3)] for r in rows if r["kind"] == "train"]
 
 
 def weights(work, step):
@@ -55,6 +61,8 @@ def test_torchrun_two_ranks_matches_accumulation(extracted, single, tmp_path, pa
     assert sorted(a) == sorted(b) and len(a) == 12
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
+    # the log shows the global batch's loss (all ranks), not rank 0's half of it
+    torch.testing.assert_close(torch.tensor(logged_losses(work)), torch.tensor(logged_losses(single)), rtol=1e-4, atol=0)
     assert (work / "final_draft" / "model.safetensors").is_file()
     if parallel == "fsdp":  # drop the last checkpoint: the same command resumes from the one before, ends equal
         shutil.rmtree(work / "train" / "checkpoints" / f"step_{last}")
