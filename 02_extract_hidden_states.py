@@ -8,6 +8,7 @@ Crash-safe and resumable: re-running the same command skips every valid finished
 import time
 from pathlib import Path
 
+from common.engine import compute_dtype
 from common.errors import UsageError, run_main
 from common.extract import (HfExtractor, VllmExtractor, check_layer_ids, default_layer_ids, extract, file_meta,
                             load_prepared, self_check)
@@ -51,7 +52,7 @@ def main():
     out = Path(cfg.work_dir) / "hidden_states"
     hidden = text_cfg.hidden_size
     params = {"verifier": cfg.verifier, "model_dir": model_dir, "layer_ids": layer_ids, "hs_dtype": cfg.hs_dtype,
-              "backend": cfg.backend, "dtype": cfg.dtype,
+              "backend": cfg.backend, "dtype": compute_dtype(cfg.dtype),
               "prepared_sha256": prep_man["outputs"]["tokenized_data_sha256"]}
     params_hash = sha256_text(repr(sorted((k, str(v)) for k, v in params.items() if k != "backend")))
     mine = [i for i in range(len(records)) if i % cfg.num_shards == cfg.shard_index]

@@ -51,7 +51,8 @@ OPTIONS = [
         "verifier model: a local HF model dir, an HF id, or embedded:smollm2-135m-instruct"),
     Opt("max_seq_len", int, 2048, "longest sample in tokens (longer ones are truncated, see README)"),
     Opt("seed", int, 0, "random seed (shuffling, splits, sampling, initialisation)"),
-    Opt("dtype", str, "bfloat16", "verifier compute dtype", choices=("bfloat16", "float16", "float32", "auto")),
+    Opt("dtype", str, "bfloat16", "verifier compute dtype; auto: the model's own on GPUs, bf16 on CPUs with AMX, "
+        "else fp32", choices=("bfloat16", "float16", "float32", "auto")),
     Opt("trust_remote_code", _bool, False, "allow model code from the model dir (Kimi needs it)", flag=True),
     Opt("dry_run", _bool, False, "validate everything, print the plan, write nothing, exit", flag=True),
     Opt("log_interval", float, 30.0, "seconds between progress lines when output is not a terminal"),
@@ -129,6 +130,9 @@ OPTIONS = [
     # stage 5
     Opt("eval_dataset", str, "mtbench", "evaluation prompts: 'mtbench', 'prepared' (this run's own prompts) or a JSONL of prompts/conversations",
         stages="5"),
+    Opt("eval_dtype", str, "", "verifier dtype for the evaluation ('' = --dtype); fp32 keeps speculative outputs "
+        "equal to plain decoding on CPUs (bf16 rounding flips near-ties)", stages="5",
+        choices=("", "bfloat16", "float16", "float32", "auto")),
     Opt("eval_limit", int, 0, "evaluate at most this many prompts (0 = all)", stages="5"),
     Opt("num_speculative_tokens", _int_list, [3], "draft tokens per step; a list sweeps", stages="5"),
 ]

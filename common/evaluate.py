@@ -56,7 +56,7 @@ def run_engine(model_dir, cfg, prompts, speculative=None):
     extra = {"disable_log_stats": False}
     if speculative:
         extra["speculative_config"] = speculative
-    llm = make_llm(model_dir, cfg, max_model_len=cfg.max_seq_len, **extra)
+    llm = make_llm(model_dir, cfg, max_model_len=cfg.max_seq_len, dtype=cfg.eval_dtype or None, **extra)
     params = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_new_tokens, seed=cfg.seed)
     llm.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up, not timed
     before = spec_counters(llm)

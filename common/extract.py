@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from common.engine import compute_dtype
 from common.errors import UsageError
 from common.hidden_states import LAYER_CONVENTION, check_hidden, sample_path, write_sample
 from common.io import read_manifest, sha256_file
@@ -94,7 +95,7 @@ class HfExtractor:
         from transformers import AutoModelForCausalLM
         dtype = {"auto": "auto", "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
         kwargs = {"device_map": "auto"} if torch.cuda.is_available() else {}
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype[cfg.dtype],
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype[compute_dtype(cfg.dtype)],
                                                           trust_remote_code=cfg.trust_remote_code, **kwargs).eval()
         self.layer_ids = layer_ids
         self.device = next(self.model.parameters()).device

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from common.draft import DraftGeometry, Eagle3Draft, acceptance_length, optimize_bf16, take_embedding
+from common.engine import cpu_has_amx
 from common.errors import UsageError
 from common.io import write_json_atomic
 from common.log import fmt_duration
@@ -199,13 +200,6 @@ def global_sums(sums, device, world):
 def merge_sums(total, part):
     for k, v in part.items():
         total[k] = total.get(k, 0) + v
-
-
-def cpu_has_amx():
-    try:
-        return "amx_bf16" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
 
 
 def use_bf16(device, amp):
