@@ -4,13 +4,14 @@
 Reads <work-dir>/final_draft/ (from 04_train.py); writes <work-dir>/eval/acceptance.json and
 acceptance.md: acceptance length (1 + accepted/drafts), per-position acceptance, draft acceptance
 rate, output tokens/s with and without speculation, and whether greedy outputs equal the
-verifier's own (they must at temperature 0). --num-speculative-tokens 1,2,3 sweeps k.
+verifier's own (they must at temperature 0); outputs.jsonl: per prompt, the verifier's answer and
+where each k's output first differs from it. --num-speculative-tokens 1,2,3 sweeps k.
 """
 import time
 from pathlib import Path
 
 from common.errors import UsageError, run_main
-from common.evaluate import acceptance_row, eval_prompts, run_engine, save_results
+from common.evaluate import acceptance_row, eval_prompts, run_engine, save_outputs, save_results, vocab_coverage
 from common.io import read_manifest, write_manifest
 from common.models import load_tokenizer, load_verifier_config, resolve_verifier
 from common.stage import ensure_writable, start
@@ -39,14 +40,15 @@ def main():
     out = ensure_writable(work / "eval")
     tok = load_tokenizer(model_dir, trust_remote_code=cfg.trust_remote_code)
     room = cfg.max_seq_len - cfg.max_new_tokens
-    prompts, skipped = [], 0
-    for _, msgs in items:
+    prompts, ids_kept, skipped = [], [], 0
+    for ref, msgs in items:
         ids = msgs if isinstance(msgs[0], int) else \
             tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
         if len(ids) > room:
             skipped += 1
             continue
         prompts.append({"prompt_token_ids": list(ids)})
+        ids_kept.append(ref)
     if not prompts:
         raise UsageError(f"every prompt is longer than --max-seq-len - --max-new-tokens = {room} tokens")
     if skipped:
@@ -55,12 +57,17 @@ def main():
     base_tokens, base_s, _ = run_engine(model_dir, cfg, prompts)
     log.info("baseline (no speculation): %d tokens in %.1fs = %.1f tokens/s", sum(map(len, base_tokens)), base_s,
              sum(map(len, base_tokens)) / base_s)
-    rows = []
+    coverage = vocab_coverage(work, base_tokens)
+    if coverage is not None:
+        log.info("the draft vocab holds %.2f%% of the verifier's output tokens here (a ceiling on acceptance)",
+                 100 * coverage)
+    rows, outputs = [], {}
     for k in cfg.num_speculative_tokens:
         spec = {"method": "eagle3", "model": str(draft.resolve()), "num_speculative_tokens": k}
         tokens, secs, counters = run_engine(model_dir, cfg, prompts, spec)
         row = acceptance_row(k, tokens, secs, counters, base_tokens, base_s)
         rows.append(row)
+        outputs[k] = tokens
         log.info("k=%d: acceptance length %.3f, per position %s, draft acceptance rate %.3f, %.1f tokens/s "
                  "(%.2fx baseline), outputs equal baseline %d/%d", k, row["acceptance_length"],
                  row["per_position_acceptance"], row["draft_acceptance_rate"], row["tokens_per_s"], row["speedup"],
@@ -69,12 +76,14 @@ def main():
             log.warning("k=%d: %d greedy outputs differ from the verifier's own (numerical near-ties or an engine "
                         "issue)", k, row["prompts"] - row["outputs_equal_baseline"])
     meta = {"eval_dataset": cfg.eval_dataset, "prompts": len(prompts), "skipped_long_prompts": skipped,
-            "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "draft": str(draft)}
+            "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "draft": str(draft),
+            "draft_vocab_coverage": coverage}
     save_results(out, rows, meta)
+    save_outputs(out / "outputs.jsonl", ids_kept, base_tokens, outputs, tok)
     write_manifest(out, "evaluate", {k: cfg[k] for k in ("eval_dataset", "eval_limit", "num_speculative_tokens",
                                                          "max_new_tokens", "temperature")},
                    results=rows, timings={"total_seconds": round(time.time() - t0, 1)})
-    log.info("wrote %s/acceptance.json and acceptance.md", out)
+    log.info("wrote %s/acceptance.json, acceptance.md and outputs.jsonl", out)
     return 0
 
 

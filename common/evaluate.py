@@ -96,6 +96,33 @@ def markdown_table(rows, label):
     return "\n".join(lines) + "\n"
 
 
+def vocab_coverage(work_dir, token_lists):
+    """Share of the verifier's output tokens inside the draft vocab (a ceiling on acceptance); None: full vocab."""
+    import numpy as np
+    path = Path(work_dir) / "vocab" / "d2t.npy"
+    if not path.is_file():
+        return None
+    d2t = np.load(path)
+    held = set((d2t + np.arange(len(d2t))).tolist())
+    tokens = [t for ts in token_lists for t in ts]
+    return round(sum(t in held for t in tokens) / max(len(tokens), 1), 4)
+
+
+def first_difference(a, b):
+    """Index of the first differing token of two outputs; None when equal."""
+    n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return None if a == b else n
+
+
+def save_outputs(path, refs, base_tokens, outputs, tok):
+    """One line per prompt: its id, the verifier's answer, and per k where the speculative output first differs."""
+    import json
+    with open(path, "w") as fh:
+        for i, (ref, base) in enumerate(zip(refs, base_tokens)):
+            diff = {f"k{k}_first_difference": first_difference(toks[i], base) for k, toks in outputs.items()}
+            fh.write(json.dumps({"id": ref, "baseline": tok.decode(base), "baseline_tokens": len(base), **diff}) + "\n")
+
+
 def save_results(out_dir, rows, meta):
     from common.io import write_json_atomic
     write_json_atomic(Path(out_dir) / "acceptance.json", {**meta, "results": rows})

@@ -120,6 +120,10 @@ def test_both_export_formats_serve_in_vllm(trained):
     assert r["drafts"] > 0 and r["accepted_tokens"] > 0 and r["acceptance_length"] > 1.0
     assert r["outputs_equal_baseline"] == r["prompts"]  # greedy output is the verifier's own
     assert len(r["per_position_acceptance"]) == 3
+    outs = [json.loads(l) for l in (trained / "eval" / "outputs.jsonl").read_text().splitlines()]
+    assert len(outs) == 3 and all(o["k3_first_difference"] is None and o["baseline"] for o in outs)
+    acc = json.loads((trained / "eval" / "acceptance.json").read_text())
+    assert 0.5 < acc["draft_vocab_coverage"] <= 1.0
     # re-running 04 with another export format re-exports the finished run without training again
     proc = run_script("04_train.py", "--work-dir", trained, *OVERFIT, "--export-format", "eagle", check=True)
     assert "resumed from" in proc.output
