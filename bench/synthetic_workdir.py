@@ -32,6 +32,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--work-dir", required=True)
     ap.add_argument("--samples", type=int, default=64)
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="list every sample this many times (hidden-state files linked, not rewritten): long epochs "
+                         "for throughput runs at the disk cost of --samples")
     ap.add_argument("--draft-vocab-size", type=int, default=32000)
     ap.add_argument("--layer-ids", type=int, nargs="+", default=[2, 30, 58, 61])
     ap.add_argument("--seed", type=int, default=0)
@@ -58,6 +61,7 @@ def main():
         start = int(n * float(torch.empty(1).uniform_(0.25, 0.55, generator=gen)))
         ids = torch.randint(0, V, (n,), generator=gen)
         records.append({"input_ids": ids.tolist(), "loss_mask": [0] * start + [1] * (n - start)})
+    unique, records = len(records), records * args.repeat
     data = prep / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
     sha = sha256_file(data)
@@ -66,6 +70,11 @@ def main():
     hs = work / "hidden_states"
     hs.mkdir(parents=True, exist_ok=True)
     for i, r in enumerate(records):
+        if i >= unique:  # a repeat: the same states (the loader may read them from the page cache)
+            sample_path(hs, i).parent.mkdir(parents=True, exist_ok=True)
+            sample_path(hs, i).unlink(missing_ok=True)
+            sample_path(hs, i).hardlink_to(sample_path(hs, i % unique))
+            continue
         n = len(r["input_ids"])
         hidden = torch.randn(n, len(args.layer_ids), H, generator=gen)
         write_sample(sample_path(hs, i), hidden, torch.tensor(r["input_ids"]), torch.tensor(r["loss_mask"]),

@@ -104,6 +104,8 @@ OPTIONS = [
     Opt("lr", float, 1e-4, "peak learning rate", stages="4"),
     Opt("warmup_steps", int, 0, "linear warmup steps", stages="4"),
     Opt("weight_decay", float, 0.0, "AdamW weight decay", stages="4"),
+    Opt("hidden_noise", float, 0.0, "training only: Gaussian noise added to the verifier states the draft reads, std "
+        "as a fraction of each state's RMS (a regulariser where data are few)", stages="4"),
     Opt("grad_clip", float, 0.5, "gradient norm clip", stages="4"),
     Opt("grad_accum", int, 1, "micro-batches per optimizer step", stages="4"),
     Opt("max_tokens_per_step", int, 8192, "packed sequence length per micro-batch, tokens", stages="4"),
@@ -126,7 +128,8 @@ OPTIONS = [
         "on GPUs and on CPUs with AMX bf16 units (Sapphire Rapids and later)", stages="4", choices=("auto", "bf16", "off")),
     Opt("compile", _bool, True, "GPU: fused kernels via torch.compile and block-sparse flex attention",
         stages="4", flag=True),
-    Opt("num_threads", int, 0, "CPU threads for torch (0 = all cores)", stages="45"),
+    Opt("num_threads", int, 0, "CPU threads for torch (0 = all cores; training on a GPU: 1, or OMP_NUM_THREADS)",
+        stages="45"),
     # stage 5
     Opt("eval_dataset", str, "mtbench", "evaluation prompts: 'mtbench', 'prepared' (this run's own prompts) or a JSONL of prompts/conversations",
         stages="5"),

@@ -209,6 +209,20 @@ def test_epochs_cut_to_whole_global_batches():
         plan_epochs(list(lengths), lengths, SimpleNamespace(**{**vars(cfg), "grad_accum": 64}), 1)
 
 
+def test_hidden_noise_scales_with_each_layers_state():
+    """--hidden-noise: per token and layer, noise std = scale x that state's RMS (aux layers differ in scale
+    by orders of magnitude); dtype kept; fresh noise per call."""
+    from common.trainer import add_noise
+    torch.manual_seed(0)
+    scales = torch.tensor([0.5, 4.0, 60.0])  # like early / middle / late residual streams
+    aux = (torch.randn(64, 3, 512) * scales[None, :, None]).reshape(64, 3 * 512).bfloat16()
+    a, b = add_noise(aux, 0.1, 3), add_noise(aux, 0.1, 3)
+    assert a.dtype == torch.bfloat16 and a.shape == aux.shape and not torch.equal(a, b)
+    rel = ((a.float() - aux.float()).view(64, 3, 512).pow(2).mean(-1).sqrt()
+           / aux.float().view(64, 3, 512).pow(2).mean(-1).sqrt())
+    assert rel.shape == (64, 3) and 0.085 < rel.min() and rel.max() < 0.115, rel
+
+
 def test_build_model_from_trained_weights_skips_random_init(extracted):
     """The FSDP export path: a draft built from checkpoint weights equals one loaded the usual way."""
     from common.draft import DraftGeometry
