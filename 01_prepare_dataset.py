@@ -28,6 +28,8 @@ def plan(cfg, log, out, model_dir):
         log.info("plan: regenerate answers with vLLM from %s (TP=%d, temperature=%g, max %d new tokens, "
                  "chunks of %d, resumable)", model_dir, cfg.tensor_parallel_size, cfg.temperature,
                  cfg.max_new_tokens, cfg.regenerate_chunk)
+        if cfg.keep_original_answers:
+            log.info("plan: also keep every conversation with its own answers, as a second sample")
     log.info("plan: write %s/tokenized_data.jsonl (~%.0f MB at most) and manifest.json; truncation: %s",
              out, (cfg.num_samples or 20000) * cfg.max_seq_len * 9 / 1e6, TRUNCATION_POLICY)
 
@@ -59,7 +61,10 @@ def main():
     tok = load_tokenizer(model_dir, cfg.chat_template, cfg.trust_remote_code)
     regen_stats = None
     if cfg.regenerate:
+        originals = convs
         convs, regen_stats = regenerate(convs, tok, cfg, model_dir, out, log)
+        if cfg.keep_original_answers:  # appended: the regenerated samples keep their indices
+            convs = convs + [(f"{ref}#original", msgs) for ref, msgs in originals]
     records, tok_skips, truncated = tokenize_all(convs, tok, cfg, log)
     skips.update(tok_skips)
     if not records:
@@ -77,7 +82,7 @@ def main():
                   else None, truncation_policy=TRUNCATION_POLICY)
     if cfg.regenerate:
         params.update({k: cfg[k] for k in ("temperature", "max_new_tokens", "repetition_penalty",
-                                           "drop_capped_answers", "drop_reasoning")})
+                                           "drop_capped_answers", "drop_reasoning", "keep_original_answers")})
     write_manifest(out, "prepare", params, tokenizer=tokenizer_identity(tok), source=describe_source(cfg.dataset),
                    counts=stats, regeneration=regen_stats, timings={"total_seconds": round(time.time() - t0, 1)},
                    outputs={"tokenized_data": data_path.name, "tokenized_data_sha256": sha256_file(data_path)})

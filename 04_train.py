@@ -154,7 +154,7 @@ def finish(cfg, log, model, g, layer_ids, model_dir, text_cfg, state, val_rows, 
                  f"{len(diffs)} differences:\n  " + "\n  ".join(diffs))
     params = {k: cfg[k] for k in ("epochs", "max_steps", "ttt_steps", "ttt_decay", "lr", "warmup_steps",
                                   "weight_decay", "grad_clip", "grad_accum", "max_tokens_per_step", "seed",
-                                  "val_fraction", "export_format")}
+                                  "val_fraction", "export_format", "hidden_noise")}
     write_manifest(out, "train", dict(params, layer_ids=layer_ids, geometry=g.to_dict()),
                    counts={"train_samples": n_train, "val_samples": n_val, "steps": state["step"],
                            "tokens": state["tokens"]},

@@ -82,6 +82,9 @@ OPTIONS = [
         stages="1", flag=True),
     Opt("drop_reasoning", _bool, False, "remove <think>...</think> reasoning from regenerated answers",
         stages="1", flag=True),
+    Opt("keep_original_answers", _bool, False, "with --regenerate: also keep each conversation with its own "
+        "answers, as a second sample (more varied prefixes; the targets are the verifier's either way)",
+        stages="1", flag=True),
     Opt("regenerate_chunk", int, 64, "conversations per resumable regeneration chunk", stages="1"),
     # stage 2
     Opt("backend", str, "vllm", "hidden-state extraction backend", stages="2", choices=("vllm", "hf")),

@@ -12,10 +12,11 @@ from common.config import parse_config
 FOLDERS = {"01_prepare_dataset": "prepared", "02_extract_hidden_states": "hidden_states",
            "03_build_vocab_mapping": "vocab", "04_train": "train", "05_evaluate": "eval"}
 # options whose value a finished stage's manifest must match for the stage to count as done
-KEYS = {"01_prepare_dataset": ["dataset", "num_samples", "seed", "max_turns", "max_seq_len", "regenerate"],
+KEYS = {"01_prepare_dataset": ["dataset", "num_samples", "seed", "max_turns", "max_seq_len", "regenerate",
+                               "keep_original_answers"],
         "02_extract_hidden_states": ["hs_dtype"],
         "03_build_vocab_mapping": ["draft_vocab_size"],
-        "04_train": ["epochs", "max_steps", "ttt_steps", "lr", "max_tokens_per_step", "export_format"],
+        "04_train": ["epochs", "max_steps", "ttt_steps", "lr", "max_tokens_per_step", "export_format", "hidden_noise"],
         "05_evaluate": ["eval_dataset", "eval_limit", "num_speculative_tokens", "max_new_tokens"]}
 
 

@@ -43,3 +43,11 @@ def test_regenerated_answers_equal_hf_greedy(tmp_path, verifier_dir, tokenizer):
     proc = run_script("01_prepare_dataset.py", *args)
     assert proc.returncode == 0 and "2 already done" in proc.output
     assert chunks[1].read_text() == before
+
+    # --keep-original-answers: the dataset's own answers follow as extra samples, the regenerated ones
+    # unchanged in front (no engine: every chunk is done)
+    proc = run_script("01_prepare_dataset.py", *args, "--keep-original-answers")
+    assert proc.returncode == 0 and "3 already done" in proc.output, proc.output[-3000:]
+    both = [json.loads(l) for l in (out / "tokenized_data.jsonl").read_text().splitlines()]
+    assert both[:5] == rows and [r["id"] for r in both[5:]] == [f"q{i}#original" for i in range(5)]
+    assert tokenizer.decode([t for t, m in zip(both[5]["input_ids"], both[5]["loss_mask"]) if m]).startswith("x")
