@@ -38,6 +38,9 @@ def main():
     cfg, log = start(1, "01_prepare", __doc__)
     out = Path(cfg.work_dir) / "prepared"
     check_source(cfg.dataset)
+    if cfg.keep_original_answers and not cfg.regenerate:
+        raise UsageError("--keep-original-answers keeps the dataset's answers beside regenerated ones: add "
+                         "--regenerate, or --no-keep-original-answers (the config may set it)")
     if cfg.chat_template and cfg.chat_template.endswith((".jinja", ".j2", ".txt")) \
             and not Path(cfg.chat_template).is_file():
         raise UsageError(f"--chat-template {cfg.chat_template}: file not found")

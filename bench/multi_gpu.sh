@@ -45,7 +45,7 @@ print("resume vs uninterrupted, max abs diff per tensor:", max((a[k].float() - b
 PYEOF
 fi
 python - "$out" <<'PYEOF' | tee "$out/summary.txt"
-import json, sys, statistics
+import json, sys
 out = sys.argv[1]
 rows = {}
 for name in ("gpu1", "ddp2", "fsdp2"):

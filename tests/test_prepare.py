@@ -81,4 +81,7 @@ def test_bad_inputs_fail_cleanly_and_keep_existing_output(tmp_path):
     offline = run_script("01_prepare_dataset.py", "--dataset", "no-such-org/no-such-dataset-xyz", "--work-dir",
                          tmp_path / "w", env={"HF_HUB_OFFLINE": "1"})
     assert_clean_error(offline, "cannot load HF dataset", "Offline?")
+    alone = run_script("01_prepare_dataset.py", "--dataset", write_jsonl(tmp_path / "ok.jsonl", GOOD[:1]),
+                       "--work-dir", tmp_path / "w", "--keep-original-answers")
+    assert_clean_error(alone, "--keep-original-answers", "add --regenerate, or --no-keep-original-answers")
     assert (out / "tokenized_data.jsonl").read_text() == "previous\n"  # nothing already written is lost
