@@ -247,7 +247,7 @@ def _validate(cfg):
         if cfg[name] is not None and cfg[name] < 1:
             raise UsageError(f"{flag_name(name)} must be >= 1, got {cfg[name]}")
     for name in ["num_samples", "max_turns", "epochs", "max_steps", "warmup_steps", "eval_limit", "num_workers",
-                 "save_every", "keep_last", "num_threads", "self_check_samples"]:
+                 "save_every", "keep_last", "num_threads", "self_check_samples", "hidden_noise"]:
         if cfg[name] < 0:
             raise UsageError(f"{flag_name(name)} must be >= 0, got {cfg[name]}")
     if not 0 <= cfg.shard_index < cfg.num_shards:

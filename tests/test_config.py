@@ -30,6 +30,8 @@ def test_bad_values_refused():
         parse_config(2, "t", ["--shard-index", "2", "--num-shards", "2"])
     with pytest.raises(UsageError, match="invalid int value"):
         parse_config(1, "t", ["--num-samples", "many"])
+    with pytest.raises(UsageError, match="--hidden-noise must be >= 0"):
+        parse_config(4, "t", ["--hidden-noise", "-0.1"])
 
 
 def test_every_stage_accepts_every_option():
