@@ -71,7 +71,6 @@ def main():
     hs.mkdir(parents=True, exist_ok=True)
     for i, r in enumerate(records):
         if i >= unique:  # a repeat: the same states (the loader may read them from the page cache)
-            sample_path(hs, i).parent.mkdir(parents=True, exist_ok=True)
             sample_path(hs, i).unlink(missing_ok=True)
             sample_path(hs, i).hardlink_to(sample_path(hs, i % unique))
             continue
