@@ -115,7 +115,7 @@ def main():
         return 0
     ensure_writable(out)
     target_ids = None if full else np.load(Path(cfg.work_dir) / "vocab" / "d2t.npy") + np.arange(draft_vocab)
-    model = build_model(g, model_dir, target_ids)
+    model = build_model(g, model_dir, target_ids, train_head=cfg.train_lm_head)
     trainer = Trainer(cfg, model, device, hs_dir, train_idx, val_idx, lengths, out, log, rank, world)
     trainer.resume()
     t0 = time.time()
@@ -131,7 +131,8 @@ def main():
         torch.set_num_threads(os.cpu_count() or 1)  # the other ranks are done; torchrun left one thread each
         src = src or latest_checkpoint(out / "checkpoints")
         t1 = time.time()
-        model = build_model(g, model_dir, target_ids, load_file(str(src / "trainable.safetensors")))
+        model = build_model(g, model_dir, target_ids, load_file(str(src / "trainable.safetensors")),
+                            train_head=cfg.train_lm_head)
         log.info("plain copy for export built from %s in %.1f s", src.name, time.time() - t1)
     elif src:
         load_weights(src, model)
@@ -154,7 +155,7 @@ def finish(cfg, log, model, g, layer_ids, model_dir, text_cfg, state, val_rows, 
                  f"{len(diffs)} differences:\n  " + "\n  ".join(diffs))
     params = {k: cfg[k] for k in ("epochs", "max_steps", "ttt_steps", "ttt_decay", "lr", "warmup_steps",
                                   "weight_decay", "grad_clip", "grad_accum", "max_tokens_per_step", "seed",
-                                  "val_fraction", "export_format", "hidden_noise")}
+                                  "val_fraction", "export_format", "hidden_noise", "train_lm_head")}
     write_manifest(out, "train", dict(params, layer_ids=layer_ids, geometry=g.to_dict()),
                    counts={"train_samples": n_train, "val_samples": n_val, "steps": state["step"],
                            "tokens": state["tokens"]},

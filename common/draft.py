@@ -253,10 +253,11 @@ def optimize_bf16(model, compile_layers=True):
     """For bf16 autocast: frozen pieces in bf16 (they never update; halves their memory); on CUDA also
     the elementwise chains (RMSNorms, SwiGLU, RoPE) compiled into fused kernels. Module.compile keeps
     the weight names."""
-    for m in (model.embed_tokens, model.lm_head):
+    head_frozen = not model.lm_head.weight.requires_grad  # a trained head keeps its fp32 master weights
+    for m in (model.embed_tokens, model.lm_head if head_frozen else None):
         if m is not None:  # None: the embedding was taken to the host (take_embedding)
             m.to(torch.bfloat16)
-    if torch.equal(model.verifier_lm_head.weight.to(torch.bfloat16), model.lm_head.weight):
+    if head_frozen and torch.equal(model.verifier_lm_head.weight.to(torch.bfloat16), model.lm_head.weight):
         model.verifier_lm_head.weight = model.lm_head.weight  # the same frozen rows (build_model): store once
     else:
         model.verifier_lm_head.to(torch.bfloat16)

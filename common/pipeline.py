@@ -16,7 +16,7 @@ KEYS = {"01_prepare_dataset": ["dataset", "num_samples", "seed", "max_turns", "m
                                "keep_original_answers"],
         "02_extract_hidden_states": ["hs_dtype"],
         "03_build_vocab_mapping": ["draft_vocab_size"],
-        "04_train": ["epochs", "max_steps", "ttt_steps", "lr", "max_tokens_per_step", "export_format", "hidden_noise"],
+        "04_train": ["epochs", "max_steps", "ttt_steps", "lr", "max_tokens_per_step", "export_format", "hidden_noise", "train_lm_head"],
         "05_evaluate": ["eval_dataset", "eval_limit", "num_speculative_tokens", "max_new_tokens"]}
 
 

@@ -41,16 +41,18 @@ def geometry(cfg, text_cfg, draft_vocab, num_aux):
     return g
 
 
-def build_model(g, model_dir, target_ids, trained=None):
-    """Draft with frozen pieces from the verifier: embeddings, draft lm_head = verifier rows of the draft vocab.
-    trained: trainable weights from a checkpoint, loaded instead of a random init (which takes half a
-    minute for a Kimi-size draft on the one CPU thread torchrun leaves each rank)."""
+def build_model(g, model_dir, target_ids, trained=None, train_head=False):
+    """Draft with frozen pieces from the verifier: embeddings, draft lm_head = verifier rows of the draft vocab
+    (trained further with train_head). trained: trainable weights from a checkpoint, loaded instead of a
+    random init (which takes half a minute for a Kimi-size draft on the one CPU thread torchrun leaves each rank)."""
     if trained is None:
         model = Eagle3Draft(g)
     else:
         with torch.device("meta"):
             model = Eagle3Draft(g)
         model.to_empty(device="cpu")
+    model.lm_head.requires_grad_(train_head)
+    if trained is not None:
         missing = [n for n, p in model.named_parameters() if p.requires_grad and n not in trained]
         if missing:
             raise RuntimeError(f"checkpoint lacks trainable weights {missing[:3]}")
@@ -60,7 +62,8 @@ def build_model(g, model_dir, target_ids, trained=None):
     with torch.no_grad():
         model.embed_tokens.weight.copy_(w["embed_tokens.weight"].float())
         head = w["lm_head.weight"].float()[rows]
-        model.lm_head.weight.copy_(head)
+        if trained is None or "lm_head.weight" not in trained:
+            model.lm_head.weight.copy_(head)
         model.verifier_lm_head.weight.copy_(head)
         model.verifier_norm.weight.copy_(w["norm.weight"].float())
         model.d2t.copy_(rows - torch.arange(len(rows)))
@@ -93,12 +96,20 @@ def set_rng_state(s):
         torch.cuda.set_rng_state_all(s["cuda"])
 
 
-def is_trainable_key(k):
-    return not k.startswith(("embed_tokens", "lm_head", "verifier_")) and k not in ("d2t", "t2d")
+def is_trainable_key(k, head=False):
+    """head: the lm_head is trained (--train-lm-head), so checkpoints carry it."""
+    if k.startswith("lm_head"):
+        return head
+    return not k.startswith(("embed_tokens", "verifier_")) and k not in ("d2t", "t2d")
+
+
+def head_trained(model):
+    return model.lm_head.weight.requires_grad
 
 
 def trainable_state(model):
-    return {k: v.detach().cpu() for k, v in model.state_dict().items() if is_trainable_key(k)}
+    head = head_trained(model)
+    return {k: v.detach().cpu() for k, v in model.state_dict().items() if is_trainable_key(k, head)}
 
 
 def gather_states(model, opt, fsdp):
@@ -111,7 +122,7 @@ def gather_states(model, opt, fsdp):
         # only rank 0 waits for the gathered copies; the others would return with their all-gathers still
         # queued and, after the last checkpoint, exit: rank 0 then hung forever (seen on 2 H200s)
         torch.cuda.synchronize()
-    return {k: v for k, v in msd.items() if is_trainable_key(k)}, osd
+    return {k: v for k, v in msd.items() if is_trainable_key(k, head_trained(model))}, osd
 
 
 def save_checkpoint(ckpt_dir, weights, opt_state, sched, state):
@@ -302,7 +313,8 @@ def all_reduce_sums(sums, device, ttt_steps):
 # ---------------------------------------------------------------- the loop
 
 RESUME_KEYS = ("epochs", "max_steps", "lr", "warmup_steps", "weight_decay", "grad_clip", "grad_accum",
-               "max_tokens_per_step", "ttt_steps", "ttt_decay", "seed", "val_fraction", "hidden_noise")
+               "max_tokens_per_step", "ttt_steps", "ttt_decay", "seed", "val_fraction", "hidden_noise",
+               "train_lm_head")
 
 
 def plan_epochs(train_idx, lengths, cfg, world):
