@@ -31,6 +31,14 @@ def torchrun(work, *extra, port=29531):
     return proc.stdout + proc.stderr
 
 
+def verifier_head_rows(work):
+    import numpy as np
+    from common.models import load_verifier_pieces, resolve_verifier
+    d2t = np.load(work / "vocab" / "d2t.npy")
+    head = load_verifier_pieces(resolve_verifier("embedded:smollm2-135m-instruct"))["lm_head.weight"].float()
+    return head[torch.as_tensor(d2t + np.arange(len(d2t)))]
+
+
 def last_step(work):
     return max(int(p.name[5:]) for p in (work / "train" / "checkpoints").glob("step_*"))
 
@@ -46,27 +54,41 @@ def weights(work, step):
 
 @pytest.fixture(scope="module")
 def single(extracted, tmp_path_factory):
-    work = make_work(extracted, tmp_path_factory.mktemp("single") / "w")
-    run_script("04_train.py", "--work-dir", work, *ARGS, "--grad-accum", 2, check=True)
-    return work
+    """1 process x 2 accumulated micro-batches, per option set (built once)."""
+    runs = {}
+
+    def get(*extra):
+        if extra not in runs:
+            work = make_work(extracted, tmp_path_factory.mktemp("single") / "w")
+            run_script("04_train.py", "--work-dir", work, *ARGS, "--grad-accum", 2, *extra, check=True)
+            runs[extra] = work
+        return runs[extra]
+    return get
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_torchrun_two_ranks_matches_accumulation(extracted, single, tmp_path, parallel):
+# FSDP also trains the lm_head (--train-lm-head): its gradients, sharded state, checkpoints and resume
+@pytest.mark.parametrize("parallel,extra", [("ddp", ()), ("fsdp", ("--train-lm-head", "true"))])
+def test_torchrun_two_ranks_matches_accumulation(extracted, single, tmp_path, parallel, extra):
+    ref = single(*extra)
     work = make_work(extracted, tmp_path / parallel)
-    torchrun(work, "--parallel", parallel)
-    last = last_step(single)
+    torchrun(work, "--parallel", parallel, *extra)
+    last = last_step(ref)
     assert last_step(work) == last >= 2
-    a, b = weights(single, last), weights(work, last)
-    assert sorted(a) == sorted(b) and len(a) == 12
+    a, b = weights(ref, last), weights(work, last)
+    assert sorted(a) == sorted(b) and len(a) == 12 + bool(extra) and ("lm_head.weight" in a) == bool(extra)
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
     # the log shows the global batch's loss (all ranks), not rank 0's half of it
-    torch.testing.assert_close(torch.tensor(logged_losses(work)), torch.tensor(logged_losses(single)), rtol=1e-4, atol=0)
-    assert (work / "final_draft" / "model.safetensors").is_file()
+    torch.testing.assert_close(torch.tensor(logged_losses(work)), torch.tensor(logged_losses(ref)), rtol=1e-4, atol=0)
+    exported = load_file(str(work / "final_draft" / "model.safetensors"))
+    if extra:  # the trained head is what gets exported, and it moved away from the verifier's rows
+        torch.testing.assert_close(exported["lm_head.weight"], b["lm_head.weight"].bfloat16())
+        verifier_rows = verifier_head_rows(work)
+        moved = (b["lm_head.weight"] - verifier_rows).abs().max()
+        assert 1e-4 < moved < 0.05 * verifier_rows.abs().max(), moved  # trained from the rows, a few lr-sized steps
     if parallel == "fsdp":  # drop the last checkpoint: the same command resumes from the one before, ends equal
         shutil.rmtree(work / "train" / "checkpoints" / f"step_{last}")
-        out = torchrun(work, "--parallel", parallel)
+        out = torchrun(work, "--parallel", parallel, *extra)
         assert "resumed from" in out and f"step {last - 1}," in out
         after = weights(work, last)
         for k in b:
