@@ -443,7 +443,7 @@ class Trainer:
             mine = bins[self.rank::self.world]
             loader = make_loader(self.folder, mine[st["bin"]:], cfg.max_tokens_per_step, cfg.num_workers,
                                  pin=self.device.type == "cuda", embed=self.host_embed)
-            micro = step_tokens = 0
+            micro = 0
             step_sums = {}
             t_step = time.time()
             for batch in self._waited(loader):
@@ -454,18 +454,19 @@ class Trainer:
                     loss, metrics = self.ddp(batch, cfg.ttt_steps, cfg.ttt_decay)
                 (loss / cfg.grad_accum).backward()
                 accumulate(step_sums, metrics)
-                window["tokens"] += int(batch["ids"].shape[0])
-                step_tokens += int(batch["ids"].shape[0]) * self.world
                 st["bin"] += 1
                 micro += 1
                 if micro % cfg.grad_accum:
                     continue
+                # the global step's tokens (every rank's sequences), from the plan: no communication
+                step_tokens = sum(self._bin_tokens(b) for b in bins[(st["bin"] - cfg.grad_accum) * self.world:
+                                                                     st["bin"] * self.world])
+                window["tokens"] += step_tokens
                 self._optimizer_step()
                 merge_sums(window["sums"], global_sums(step_sums, self.device, self.world))
                 step_sums = {}
                 st["step"] += 1
                 st["tokens"] += step_tokens
-                step_tokens = 0
                 step_time = time.time() - t_step
                 st["train_seconds"] += step_time
                 t_step = time.time()
@@ -489,6 +490,9 @@ class Trainer:
         if st["bin"] and st.get("validated_step") != st["step"]:  # stopped mid-epoch by --max-steps
             self._checkpoint(self.run_validation())
         return st
+
+    def _bin_tokens(self, b):
+        return sum(min(self.lengths[i] - 1, self.cfg.max_tokens_per_step) for i in b)  # as PackedDataset cuts them
 
     def _window(self):
         return {"tokens": 0, "t": time.time(), "sums": {}, "wait": self.data_wait}
@@ -514,7 +518,7 @@ class Trainer:
         st, cfg = self.state, self.cfg
         elapsed = time.time() - window["t"]
         s = summarize(window["sums"], cfg.ttt_steps)
-        tps = window["tokens"] * self.world / max(elapsed, 1e-9)
+        tps = window["tokens"] / max(elapsed, 1e-9)
         wait = min((self.data_wait - window["wait"]) / max(elapsed, 1e-9), 1.0)
         row = {"kind": "train", "step": st["step"], "epoch": st["epoch"], "lr": self.sched.get_last_lr()[0],
                "tokens_per_s": round(tps, 1), "step_time_s": round(step_time, 3), "data_wait": round(wait, 3),

@@ -43,9 +43,13 @@ def last_step(work):
     return max(int(p.name[5:]) for p in (work / "train" / "checkpoints").glob("step_*"))
 
 
+def logged(work, key):
+    return [r[key] for r in map(json.loads, (work / "train" / "metrics.jsonl").read_text().splitlines())
+            if r["kind"] == "train"]
+
+
 def logged_losses(work):
-    rows = [json.loads(l) for l in (work / "train" / "metrics.jsonl").read_text().splitlines()]
-    return [[r[f"loss_{k}"] for k in range(3)] for r in rows if r["kind"] == "train"]
+    return [list(x) for x in zip(*(logged(work, f"loss_{k}") for k in range(3)))]
 
 
 def weights(work, step):
@@ -80,6 +84,8 @@ def test_torchrun_two_ranks_matches_accumulation(extracted, single, tmp_path, pa
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
     # the log shows the global batch's loss (all ranks), not rank 0's half of it
     torch.testing.assert_close(torch.tensor(logged_losses(work)), torch.tensor(logged_losses(ref)), rtol=1e-4, atol=0)
+    # cumulative tokens count every rank's sequences exactly: the same as one process reading them all
+    assert logged(work, "tokens") == logged(ref, "tokens") and logged(ref, "tokens")[-1] > 1000
     exported = load_file(str(work / "final_draft" / "model.safetensors"))
     if extra:  # the trained head is what gets exported, and it moved away from the verifier's rows
         torch.testing.assert_close(exported["lm_head.weight"], b["lm_head.weight"].bfloat16())
