@@ -185,7 +185,7 @@ def numerical_check(g, batch, device, args):
             print("   ", "  ".join(f"{n.replace('layers.0.', '')} {e:.1e}" for n, e in errs.items()))
             print(f"check {name:18s} vs {ref:10s}: loss {loss:.6f}  rel err {abs(loss - ref_loss) / abs(ref_loss):.2e}  "
                   f"max grad rel err (per tensor, L2) {err:.2e}", flush=True)
-    draft.rope = draft._rope
+    draft.apply_rope = draft._apply_rope
     return rows
 
 

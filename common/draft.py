@@ -56,18 +56,28 @@ class RMSNorm(nn.Module):
         return (self.weight * x.to(dtype)).to(dtype)
 
 
-def _rope(x, pos, theta):
-    """Rotate-half RoPE as in transformers' Llama. x [.., T, D], pos [T]."""
-    d = x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
+def rope_cos_sin(pos, d, theta, dtype):
+    """cos/sin tables [T, D] of rotate-half RoPE, as in transformers' Llama."""
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=pos.device, dtype=torch.float32) / d))
     ang = pos.float()[:, None] * inv[None]
     emb = torch.cat([ang, ang], dim=-1)
-    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _apply_rope(x, cos, sin):
+    d = x.shape[-1]
     x1, x2 = x[..., : d // 2], x[..., d // 2:]
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
-rope = _rope  # optimize_bf16 swaps in a compiled version
+# optimize_bf16 swaps in a compiled version. The tables are made outside it: fused into one kernel,
+# cos/sin were recomputed for every head (2.8% of a Kimi-geometry step's GPU time)
+apply_rope = _apply_rope
+
+
+def rope(x, pos, theta):
+    """x [.., T, D], pos [T]."""
+    return apply_rope(x, *rope_cos_sin(pos, x.shape[-1], theta, x.dtype))
 
 
 class Attention(nn.Module):
@@ -269,8 +279,8 @@ def optimize_bf16(model, compile_layers=True):
         for m in (layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm, layer.mlp, model.norm,
                   model.verifier_norm):
             m.compile(dynamic=True)
-    global rope
-    rope = torch.compile(_rope, dynamic=True) if compile_layers else _rope
+    global apply_rope
+    apply_rope = torch.compile(_apply_rope, dynamic=True) if compile_layers else _apply_rope
     return model
 
 
