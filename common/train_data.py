@@ -22,6 +22,9 @@ def split_samples(indices, val_fraction, seed):
     return sorted(order[n_val:]), sorted(order[:n_val])
 
 
+PACKING = "first-fit, window 32"  # recorded in checkpoints: resuming needs the same sequences
+
+
 def pack(indices, lengths, budget, seed, epoch, window=32):
     """First-fit packing of shuffled samples into bins of <= budget tokens. -> list of index lists.
     Each sample goes into the first of the last `window` open bins it fits, so bins come out nearly full;

@@ -18,7 +18,7 @@ from common.errors import UsageError
 from common.io import write_json_atomic
 from common.log import fmt_duration
 from common.models import load_verifier_pieces
-from common.train_data import make_loader, pack, to_device
+from common.train_data import PACKING, make_loader, pack, to_device
 
 
 # ---------------------------------------------------------------- model construction
@@ -355,6 +355,7 @@ class Trainer:
         self.settings = {k: cfg[k] for k in RESUME_KEYS}
         self.settings["geometry"] = model.g.to_dict()
         self.settings["optimizer_layout"] = "fsdp" if self.fsdp else "plain"  # their saved states differ
+        self.settings["packing"] = PACKING  # a checkpoint's data position indexes this packing's sequences
         self.state = {"step": 0, "epoch": 0, "bin": 0, "best": None, "best_step": None, "tokens": 0,
                       "train_seconds": 0.0, "settings": self.settings}
         self.ckpt_dir = self.out / "checkpoints"
@@ -369,8 +370,10 @@ class Trainer:
             return False
         saved = torch.load(ckpt / "state.pt", weights_only=False).get("settings")
         if saved != self.settings:
-            diff = sorted(k for k in self.settings if (saved or {}).get(k) != self.settings[k])
-            raise UsageError(f"checkpoints in {self.ckpt_dir} were made with other settings ({', '.join(diff)}); "
+            saved = saved or {}
+            diff = sorted(k for k in self.settings if saved.get(k) != self.settings[k])
+            older = " by an older eagle3-train" if any(k not in saved for k in diff) else ""
+            raise UsageError(f"checkpoints in {self.ckpt_dir} were made{older} with other settings ({', '.join(diff)}); "
                              f"use a new --work-dir, or delete {self.out} to start over")
         self.state = load_checkpoint(ckpt, self.model, self.opt, self.sched, self.fsdp)
         if self.rank == 0:

@@ -173,6 +173,10 @@ def test_sigkill_resume_matches_uninterrupted(extracted, tmp_path):
     proc = run_script("04_train.py", "--work-dir", runs["killed"], *args)
     assert proc.returncode == 0 and "resumed from" in proc.output and "validation @" not in proc.output
     assert (runs["killed"] / "train" / "metrics.jsonl").read_text() == metrics
+    # other settings on the same checkpoints: a one-line usage error naming them, nothing touched
+    proc = run_script("04_train.py", "--work-dir", runs["killed"], *args, "--lr", 2e-3)
+    assert proc.returncode == 2 and "other settings (lr)" in proc.output and "Traceback" not in proc.output
+    assert (runs["killed"] / "train" / "metrics.jsonl").read_text() == metrics
 
 
 def test_kimi_config_export_matches_aq_medai_reference():
