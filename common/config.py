@@ -110,7 +110,7 @@ OPTIONS = [
     Opt("hidden_noise", float, 0.0, "training only: Gaussian noise added to the verifier states the draft reads, std "
         "as a fraction of each state's RMS (a regulariser where data are few)", stages="4"),
     Opt("train_lm_head", _bool, False, "also train the draft lm_head (it starts as the verifier's rows of the draft "
-        "vocab; frozen otherwise)", stages="4"),
+        "vocab; frozen otherwise)", stages="4", flag=True),
     Opt("grad_clip", float, 0.5, "gradient norm clip", stages="4"),
     Opt("grad_accum", int, 1, "micro-batches per optimizer step", stages="4"),
     Opt("max_tokens_per_step", int, 8192, "packed sequence length per micro-batch, tokens", stages="4"),

@@ -71,7 +71,7 @@ def single(extracted, tmp_path_factory):
 
 
 # FSDP also trains the lm_head (--train-lm-head): its gradients, sharded state, checkpoints and resume
-@pytest.mark.parametrize("parallel,extra", [("ddp", ()), ("fsdp", ("--train-lm-head", "true"))])
+@pytest.mark.parametrize("parallel,extra", [("ddp", ()), ("fsdp", ("--train-lm-head",))])
 def test_torchrun_two_ranks_matches_accumulation(extracted, single, tmp_path, parallel, extra):
     ref = single(*extra)
     work = make_work(extracted, tmp_path / parallel)
