@@ -22,6 +22,11 @@ def split_samples(indices, val_fraction, seed):
     return sorted(order[n_val:]), sorted(order[:n_val])
 
 
+def shifted_len(n, budget):
+    """Tokens a sample of n tokens contributes to a packed sequence (shifted by one, cut to the budget)."""
+    return min(n - 1, budget)
+
+
 PACKING = "first-fit, window 32"  # recorded in checkpoints: resuming needs the same sequences
 
 
@@ -34,7 +39,7 @@ def pack(indices, lengths, budget, seed, epoch, window=32):
     random.Random(seed * 100003 + epoch).shuffle(order)
     bins, used, first_open = [], [], 0
     for i in order:
-        n = min(lengths[i] - 1, budget)  # shifted length
+        n = shifted_len(lengths[i], budget)
         for b in range(first_open, len(bins)):
             if used[b] + n <= budget:
                 bins[b].append(i)
@@ -59,7 +64,7 @@ class PackedDataset(Dataset):
 
     def __getitem__(self, i):
         samples = [read_sample(sample_path(self.folder, idx), torch.bfloat16) for idx in self.bins[i]]
-        lens = [min(len(s["token_ids"]) - 1, self.budget) for s in samples]  # shifted lengths
+        lens = [shifted_len(len(s["token_ids"]), self.budget) for s in samples]
         T, (L, H) = sum(lens), samples[0]["hidden_states"].shape[1:]
         # each sample's states are copied once, straight into the batch (~0.5 GB per 8192 Kimi tokens)
         aux, target = torch.empty(T, L - 1, H, dtype=torch.bfloat16), torch.empty(T, H, dtype=torch.bfloat16)

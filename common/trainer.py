@@ -18,7 +18,7 @@ from common.errors import UsageError
 from common.io import write_json_atomic
 from common.log import fmt_duration
 from common.models import load_verifier_pieces
-from common.train_data import PACKING, make_loader, pack, to_device
+from common.train_data import PACKING, make_loader, pack, shifted_len, to_device
 
 
 # ---------------------------------------------------------------- model construction
@@ -495,7 +495,7 @@ class Trainer:
         return st
 
     def _bin_tokens(self, b):
-        return sum(min(self.lengths[i] - 1, self.cfg.max_tokens_per_step) for i in b)  # as PackedDataset cuts them
+        return sum(shifted_len(self.lengths[i], self.cfg.max_tokens_per_step) for i in b)
 
     def _window(self):
         return {"tokens": 0, "t": time.time(), "sums": {}, "wait": self.data_wait}
