@@ -123,8 +123,7 @@ class TTTPlan:
         return self.attend_sdpa(q, step)
 
     def attend_sdpa(self, q, step):
-        """Per document: its step-0 keys causally plus, at a query's own position, its keys of steps 1..step;
-        cost grows with document length, not packed length."""
+        """Per document: SDPA over its step-0 keys plus the diagonal keys; cost grows with document length."""
         q_orig, ranges, out = self.rows[step], self.doc_ranges[step], torch.empty_like(q)
         k0, v0 = self.cache[0]
         for d, (a, b) in enumerate(self.docs):
@@ -132,34 +131,21 @@ class TTTPlan:
             if lo == hi:
                 continue
             qi = q_orig[lo:hi]
+            ks, vs = [k0[:, a:b]], [v0[:, a:b]]
+            for j in range(1, step + 1):
+                sel = self.lookup[j][qi]
+                ks.append(self.cache[j][0][:, sel])
+                vs.append(self.cache[j][1][:, sel])
+            ks, vs = torch.cat(ks, 1), torch.cat(vs, 1)
             if step == 0 and hi - lo == b - a:
-                out[:, lo:hi] = F.scaled_dot_product_attention(q[:, lo:hi], k0[:, a:b], v0[:, a:b], is_causal=True,
-                                                                enable_gqa=True)
-                continue
-            causal = torch.arange(a, b, device=q.device)[None, :] <= qi[:, None]
-            diag = [(self.cache[j][0][:, self.lookup[j][qi]], self.cache[j][1][:, self.lookup[j][qi]])
-                    for j in range(1, step + 1)]
-            out[:, lo:hi] = diagonal_attention(q[:, lo:hi], k0[:, a:b], v0[:, a:b], causal, diag)
+                o = F.scaled_dot_product_attention(q[:, lo:hi], ks, vs, is_causal=True, enable_gqa=True)
+            else:
+                causal = torch.arange(a, b, device=q.device)[None, :] <= qi[:, None]
+                eye = torch.eye(hi - lo, dtype=torch.bool, device=q.device)
+                mask = torch.cat([causal] + [eye] * step, dim=1)
+                o = F.scaled_dot_product_attention(q[:, lo:hi], ks, vs, attn_mask=mask, enable_gqa=True)
+            out[:, lo:hi] = o
         return out
-
-
-def diagonal_attention(q, k, v, mask, diag):
-    """Softmax attention of q [Hq, L, D] over keys k/v [Hkv, S, D] where mask [L, S], plus for each (kj, vj)
-    [Hkv, L, D] in diag one more key per query, query i's own kj[:, i]. Equal to SDPA over the keys
-    [k | k1 | k2 ..] with an identity mask on each diagonal block, at the cost of S keys, not S + L * len(diag)
-    (step 2 of TTT: 2.4x fewer scores on the default data). GQA: query head h reads key head h // (Hq // Hkv)."""
-    hk, L, D = k.shape[0], q.shape[1], q.shape[2]
-    qg = q.view(hk, -1, L, D)  # [Hkv, group, L, D]
-    scale = D ** -0.5
-    scores = torch.matmul(qg, k[:, None].transpose(-1, -2)) * scale  # [Hkv, group, L, S]
-    scores = scores.masked_fill(~mask, float("-inf"))
-    extra = [(qg * kj[:, None]).sum(-1, keepdim=True) * scale for kj, _ in diag]  # [Hkv, group, L, 1] each
-    p = torch.cat([scores] + extra, -1).float().softmax(-1).to(v.dtype)
-    S = k.shape[1]
-    o = torch.matmul(p[..., :S], v[:, None])
-    for j, (_, vj) in enumerate(diag):
-        o = o + p[..., S + j:S + j + 1] * vj[:, None]
-    return o.reshape(q.shape)
 
 
 _FLEX = _BLOCK_MASK = None
@@ -371,22 +357,22 @@ def make_plan(ix, T, doc, docs, device):
 
 
 class SoftKL(torch.autograd.Function):
-    """Per-row KL(target || softmax(logits)) = sum p log p - sum p log q, target row r = target_p[idx[r]],
-    its sum p log p = neg_entropy[idx[r]] (both made once per batch, not per TTT step); gradient written out:
-    softmax(logits) - p. Autograd's version would keep fp32 log-probs and a gathered copy of the targets
-    per TTT step ([rows, draft vocab] each, the largest activations of a big-vocab draft); this keeps
-    the logits and re-gathers the targets in backward."""
+    """Per-row KL(target || softmax(logits)), target row r = target_logp[idx[r]], gradient written
+    out: softmax(logits) - p. Autograd's version would keep fp32 log-probs and a gathered copy of
+    the targets per TTT step ([rows, draft vocab] each, the largest activations of a big-vocab
+    draft); this keeps the logits and re-gathers the targets in backward."""
 
     @staticmethod
-    def forward(ctx, logits, target_p, neg_entropy, idx):
-        ctx.save_for_backward(logits, target_p, idx)
-        return neg_entropy[idx] - (target_p[idx] * logits.float().log_softmax(-1)).sum(-1)
+    def forward(ctx, logits, target_logp, idx):
+        t = target_logp[idx]
+        ctx.save_for_backward(logits, target_logp, idx)
+        return (t.exp() * (t - logits.float().log_softmax(-1))).sum(-1)
 
     @staticmethod
     def backward(ctx, grad):
-        logits, target_p, idx = ctx.saved_tensors
-        g = (logits.float().softmax(-1) - target_p[idx]) * grad[:, None]
-        return g.to(logits.dtype), None, None, None
+        logits, target_logp, idx = ctx.saved_tensors
+        g = (logits.float().softmax(-1) - target_logp[idx].exp()) * grad[:, None]
+        return g.to(logits.dtype), None, None
 
 
 def ttt_loss(model, batch, ttt_steps, decay):
@@ -408,16 +394,14 @@ def ttt_loss(model, batch, ttt_steps, decay):
         t_logits = model.verifier_lm_head(model.verifier_norm(batch["target_hidden"][ix["tpos"]])).float()
         target_ids = t_logits.argmax(-1)
         target_logp = t_logits.log_softmax(-1)
-        target_p = target_logp.exp()
-        neg_entropy = (target_p * target_logp).sum(-1)
-        del t_logits, target_logp
+        del t_logits
     plan = make_plan(ix, T, doc, batch["docs"], dev)
     chain_ok = torch.ones(T, dtype=torch.bool, device=dev)  # drafts 0..k-1 right from start i
     total, metrics = 0.0, {}
     for k, h in model.run_steps(aux, embeds, pos, plan):
         sel, tr = ix["sel"][k], ix["tr"][k]
         logits = model.lm_head(model.norm(h[ix["local"][k]]))
-        step_loss = SoftKL.apply(logits, target_p, neg_entropy, tr).sum() / max(len(sel), 1)
+        step_loss = SoftKL.apply(logits, target_logp, tr).sum() / max(len(sel), 1)
         total = total + (decay ** k) * step_loss
         with torch.no_grad():
             correct = torch.zeros(T, dtype=torch.bool, device=dev)
