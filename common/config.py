@@ -131,7 +131,8 @@ OPTIONS = [
         "trainable weights, gradients and optimizer state", stages="4", choices=("ddp", "fsdp")),
     Opt("amp", str, "auto", "training precision: bf16 autocast with fp32 master weights, or off (fp32); auto: bf16 "
         "on GPUs and on CPUs with AMX bf16 units (Sapphire Rapids and later)", stages="4", choices=("auto", "bf16", "off")),
-    Opt("compile", _bool, True, "GPU: fused kernels via torch.compile and block-sparse flex attention",
+    Opt("compile", _bool, True, "fused kernels via torch.compile: on GPUs norms/SwiGLU/RoPE and block-sparse flex "
+        "attention; on CPUs the loss (needs a C++ compiler, else it runs eager)",
         stages="4", flag=True),
     Opt("num_threads", int, 0, "CPU threads for torch (0 = all cores; training on a GPU: 1, or OMP_NUM_THREADS)",
         stages="45"),

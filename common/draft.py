@@ -8,9 +8,10 @@ k+1 ahead; its queries attend to step-0 keys causally within the document plus, 
 position only, to the keys of steps 1..k (the "diagonal" of speculators' extended mask).
 
 A TTT step k >= 1 computes only the positions that still have a loss target (TTTPlan); attention
-runs per document with torch SDPA on the CPU and as one block-sparse flex-attention call on CUDA,
-so its cost grows with the document lengths, not with the packed length (speculators materialises
-a T x (k+1)T mask).
+runs per document on the CPU (fp32, the diagonal as per-row dot products) and as one block-sparse
+flex-attention call on CUDA, so its cost grows with the document lengths, not with the packed length
+(speculators materialises a T x (k+1)T mask). On the CPU, matmul row counts are rounded up (Linear)
+so oneDNN reuses its kernels across steps.
 """
 import os
 from dataclasses import asdict, dataclass
@@ -80,14 +81,30 @@ def rope(x, pos, theta):
     return apply_rope(x, *rope_cos_sin(pos, x.shape[-1], theta, x.dtype))
 
 
+class Linear(nn.Linear):
+    """nn.Linear whose CPU matmuls see row counts rounded up to a multiple of ROW_BUCKET. oneDNN builds a
+    kernel per new shape (a [1400, 576] x [576, 4096] bf16 product: ~18 ms the first time, 6 ms after),
+    and packed batches bring new row counts every step; rounded, a few dozen shapes recur."""
+
+    def forward(self, x):
+        n = x.shape[0]
+        pad = -n % ROW_BUCKET
+        if not pad or x.device.type != "cpu" or x.dim() != 2:
+            return super().forward(x)
+        return super().forward(F.pad(x, (0, 0, 0, pad)))[:n]
+
+
+ROW_BUCKET = 64
+
+
 class Attention(nn.Module):
     def __init__(self, g):
         super().__init__()
         self.g = g
-        self.q_proj = nn.Linear(2 * g.hidden_size, g.num_heads * g.head_dim, bias=False)
-        self.k_proj = nn.Linear(2 * g.hidden_size, g.num_kv_heads * g.head_dim, bias=False)
-        self.v_proj = nn.Linear(2 * g.hidden_size, g.num_kv_heads * g.head_dim, bias=False)
-        self.o_proj = nn.Linear(g.num_heads * g.head_dim, g.hidden_size, bias=False)
+        self.q_proj = Linear(2 * g.hidden_size, g.num_heads * g.head_dim, bias=False)
+        self.k_proj = Linear(2 * g.hidden_size, g.num_kv_heads * g.head_dim, bias=False)
+        self.v_proj = Linear(2 * g.hidden_size, g.num_kv_heads * g.head_dim, bias=False)
+        self.o_proj = Linear(g.num_heads * g.head_dim, g.hidden_size, bias=False)
 
     def forward(self, x, xq, pos, qpos, plan, step):
         """x [N, 2H] the step's rows (keys/values); xq [Nq, 2H] its query rows; pos/qpos their positions."""
@@ -123,28 +140,40 @@ class TTTPlan:
         return self.attend_sdpa(q, step)
 
     def attend_sdpa(self, q, step):
-        """Per document: SDPA over its step-0 keys plus the diagonal keys; cost grows with document length."""
+        # fp32: in bf16 oneDNN builds a kernel for each new matrix shape, and every document brings new ones
+        # (~2.7 ms vs 0.2 ms for a cached one); fp32 products go to MKL, which builds none
+        with torch.autocast(q.device.type, enabled=False):
+            return self._attend_sdpa(q.float(), step).to(q.dtype)
+
+    def _attend_sdpa(self, q, step):
+        """Per document: its step-0 keys, causal, plus each query's own keys of steps 1..step as per-row dot
+        products: scores [m, n + step], not SDPA's [m, n + step*m] with a diagonal mask (whose masked-out
+        part was most of a TTT step's attention work on the CPU). Cost grows with the document lengths."""
         q_orig, ranges, out = self.rows[step], self.doc_ranges[step], torch.empty_like(q)
-        k0, v0 = self.cache[0]
+        # contiguous: the cached keys are [heads, T, dim] views of [T, heads, dim]
+        k0, v0 = (t.float().contiguous() for t in self.cache[0])
+        kv, dim = k0.shape[0], q.shape[-1]
+        grp = q.shape[0] // kv  # query heads per KV head (GQA): they share one matmul
+        q = q * dim ** -0.5
         for d, (a, b) in enumerate(self.docs):
             lo, hi = ranges[d], ranges[d + 1]
             if lo == hi:
                 continue
-            qi = q_orig[lo:hi]
-            ks, vs = [k0[:, a:b]], [v0[:, a:b]]
-            for j in range(1, step + 1):
-                sel = self.lookup[j][qi]
-                ks.append(self.cache[j][0][:, sel])
-                vs.append(self.cache[j][1][:, sel])
-            ks, vs = torch.cat(ks, 1), torch.cat(vs, 1)
-            if step == 0 and hi - lo == b - a:
-                o = F.scaled_dot_product_attention(q[:, lo:hi], ks, vs, is_causal=True, enable_gqa=True)
-            else:
-                causal = torch.arange(a, b, device=q.device)[None, :] <= qi[:, None]
-                eye = torch.eye(hi - lo, dtype=torch.bool, device=q.device)
-                mask = torch.cat([causal] + [eye] * step, dim=1)
-                o = F.scaled_dot_product_attention(q[:, lo:hi], ks, vs, attn_mask=mask, enable_gqa=True)
-            out[:, lo:hi] = o
+            qi, m, n = q_orig[lo:hi], hi - lo, b - a
+            qd = q[:, lo:hi].reshape(kv, grp * m, dim)
+            s = torch.bmm(qd, k0[:, a:b].transpose(1, 2)).view(kv, grp, m, n)
+            s = s.masked_fill(torch.arange(a, b, device=q.device)[None, :] > qi[:, None], float("-inf"))
+            if step:
+                sel = [self.lookup[j][qi] for j in range(1, step + 1)]
+                kd = torch.stack([self.cache[j][0][:, r] for j, r in enumerate(sel, 1)], 1).float()  # [kv, step, m, dim]
+                vd = torch.stack([self.cache[j][1][:, r] for j, r in enumerate(sel, 1)], 1).float()
+                # elementwise, not einsum: as a bmm it would be m tiny products per KV head, slow on the CPU
+                s = torch.cat([s, (qd.view(kv, grp, 1, m, dim) * kd[:, None]).sum(-1).transpose(-1, -2)], -1)
+            p = s.softmax(-1)
+            o = torch.bmm(p[..., :n].reshape(kv, grp * m, n), v0[:, a:b]).view(kv, grp, m, dim)
+            if step:
+                o = o + (p[..., n:].transpose(-1, -2)[..., None] * vd[:, None]).sum(2)
+            out[:, lo:hi] = o.reshape(-1, m, dim)
         return out
 
 
@@ -182,9 +211,9 @@ def flex_attend(plan, q, step):
 class MLP(nn.Module):
     def __init__(self, g):
         super().__init__()
-        self.gate_proj = nn.Linear(g.hidden_size, g.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(g.hidden_size, g.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(g.intermediate_size, g.hidden_size, bias=False)
+        self.gate_proj = Linear(g.hidden_size, g.intermediate_size, bias=False)
+        self.up_proj = Linear(g.hidden_size, g.intermediate_size, bias=False)
+        self.down_proj = Linear(g.intermediate_size, g.hidden_size, bias=False)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -216,13 +245,13 @@ class Eagle3Draft(nn.Module):
         super().__init__()
         self.g = g
         self.embed_tokens = nn.Embedding(g.verifier_vocab_size, g.hidden_size)
-        self.fc = nn.Linear(g.num_aux * g.hidden_size, g.hidden_size, bias=False)
+        self.fc = Linear(g.num_aux * g.hidden_size, g.hidden_size, bias=False)
         self.layers = nn.ModuleList([DecoderLayer(g)])
         self.norm = RMSNorm(g.hidden_size, g.rms_norm_eps)
-        self.lm_head = nn.Linear(g.hidden_size, g.draft_vocab_size, bias=False)
+        self.lm_head = Linear(g.hidden_size, g.draft_vocab_size, bias=False)
         # frozen verifier pieces for the training targets (not exported)
         self.verifier_norm = RMSNorm(g.hidden_size, g.rms_norm_eps)
-        self.verifier_lm_head = nn.Linear(g.hidden_size, g.draft_vocab_size, bias=False)
+        self.verifier_lm_head = Linear(g.hidden_size, g.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(g.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.ones(g.verifier_vocab_size, dtype=torch.bool))
         for m in (self.embed_tokens, self.lm_head, self.verifier_norm, self.verifier_lm_head):
@@ -356,23 +385,51 @@ def make_plan(ix, T, doc, docs, device):
     return TTTPlan(T, doc, docs, ix["rows"], ix["lookup"], ix["ranges"], attention_backend(device))
 
 
+def _kl_rows(logits, target_logp, idx):
+    """-> (KL(target || softmax(logits)) per row, the draft's top token per row); target row r = target_logp[idx[r]]."""
+    t = target_logp[idx]
+    return (t.exp() * (t - logits.float().log_softmax(-1))).sum(-1), logits.max(-1).indices  # max: 3x argmax in bf16, eager
+
+
+def _kl_grad(logits, target_logp, idx, grad):
+    return ((logits.float().softmax(-1) - target_logp[idx].exp()) * grad[:, None]).to(logits.dtype)
+
+
+def _targets(t_logits):
+    """Verifier logits on the draft vocab -> (top token, fp32 log-probs)."""
+    t = t_logits.float()
+    return t.max(-1).indices, t.log_softmax(-1)
+
+
+# compile_loss swaps in compiled versions: each is a chain of passes over [rows, draft vocab] fp32 tensors
+# (gather, exp, log-softmax, subtract, multiply), memory-bound; fused, a CPU step is ~16% faster
+kl_rows, kl_grad, targets = _kl_rows, _kl_grad, _targets
+
+
+def compile_loss(enabled=True):
+    global kl_rows, kl_grad, targets
+    kl_rows, kl_grad, targets = ((torch.compile(f, dynamic=True) for f in (_kl_rows, _kl_grad, _targets)) if enabled
+                                 else (_kl_rows, _kl_grad, _targets))
+
+
 class SoftKL(torch.autograd.Function):
     """Per-row KL(target || softmax(logits)), target row r = target_logp[idx[r]], gradient written
     out: softmax(logits) - p. Autograd's version would keep fp32 log-probs and a gathered copy of
     the targets per TTT step ([rows, draft vocab] each, the largest activations of a big-vocab
-    draft); this keeps the logits and re-gathers the targets in backward."""
+    draft); this keeps the logits and re-gathers the targets in backward. Also returns the draft's
+    top token per row (for the accuracy counts, from the same pass)."""
 
     @staticmethod
     def forward(ctx, logits, target_logp, idx):
-        t = target_logp[idx]
         ctx.save_for_backward(logits, target_logp, idx)
-        return (t.exp() * (t - logits.float().log_softmax(-1))).sum(-1)
+        kl, top = kl_rows(logits, target_logp, idx)
+        ctx.mark_non_differentiable(top)
+        return kl, top
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad, _):
         logits, target_logp, idx = ctx.saved_tensors
-        g = (logits.float().softmax(-1) - target_logp[idx].exp()) * grad[:, None]
-        return g.to(logits.dtype), None, None
+        return kl_grad(logits, target_logp, idx, grad), None, None
 
 
 def ttt_loss(model, batch, ttt_steps, decay):
@@ -391,21 +448,19 @@ def ttt_loss(model, batch, ttt_steps, decay):
     ix = move(index_plan(cpu["loss_mask"].bool(), cpu["doc"], batch["docs"], ttt_steps), dev)
     valid = ix["valid"]
     with torch.no_grad():
-        t_logits = model.verifier_lm_head(model.verifier_norm(batch["target_hidden"][ix["tpos"]])).float()
-        target_ids = t_logits.argmax(-1)
-        target_logp = t_logits.log_softmax(-1)
-        del t_logits
+        target_ids, target_logp = targets(model.verifier_lm_head(model.verifier_norm(batch["target_hidden"][ix["tpos"]])))
     plan = make_plan(ix, T, doc, batch["docs"], dev)
     chain_ok = torch.ones(T, dtype=torch.bool, device=dev)  # drafts 0..k-1 right from start i
     total, metrics = 0.0, {}
     for k, h in model.run_steps(aux, embeds, pos, plan):
         sel, tr = ix["sel"][k], ix["tr"][k]
         logits = model.lm_head(model.norm(h[ix["local"][k]]))
-        step_loss = SoftKL.apply(logits, target_logp, tr).sum() / max(len(sel), 1)
+        kl, top = SoftKL.apply(logits, target_logp, tr)
+        step_loss = kl.sum() / max(len(sel), 1)
         total = total + (decay ** k) * step_loss
         with torch.no_grad():
             correct = torch.zeros(T, dtype=torch.bool, device=dev)
-            correct[sel] = logits.max(-1).indices == target_ids[tr]  # max: 3x faster than argmax in bf16 on CPU
+            correct[sel] = top == target_ids[tr]
             chain = chain_ok & valid[k]
             metrics[f"loss_{k}"] = step_loss.detach()
             metrics[f"full_correct_{k}"] = (correct & chain).sum()  # drafts 0..k all right
