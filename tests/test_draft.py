@@ -75,3 +75,49 @@ def test_row_subsets_equal_dense_reference():
     for a, r in zip(ours, (p.grad for p in m.trainable_parameters())):
         torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-6)
     assert int(metrics["full_total_0"]) == int(b["loss_mask"].sum())
+
+
+def test_cpu_linear_rounds_rows_without_changing_results():
+    """Rows padded to a multiple of 64 for oneDNN's kernel reuse: same outputs and gradients as nn.Linear."""
+    from common.draft import Linear
+    torch.manual_seed(0)
+    lin = Linear(24, 40, bias=False).double()
+    x = torch.randn(37, 24, dtype=torch.double, requires_grad=True)
+    y = lin(x)
+    ref_x = x.detach().clone().requires_grad_()
+    ref = F.linear(ref_x, lin.weight)
+    assert y.shape == (37, 40)
+    torch.testing.assert_close(y, ref)
+    g = torch.randn(37, 40, dtype=torch.double)
+    y.backward(g)
+    w_grad = lin.weight.grad.clone()
+    lin.weight.grad = None
+    ref.backward(g)
+    torch.testing.assert_close(x.grad, ref_x.grad)
+    torch.testing.assert_close(w_grad, lin.weight.grad)
+
+
+def test_compiled_loss_equals_eager():
+    """--compile on the CPU: the fused KL passes give the eager values, gradients and top tokens."""
+    import common.draft as D
+    torch.manual_seed(0)
+    logits = (torch.randn(45, 300) * 3).bfloat16()
+    target_logp = torch.randn(60, 300).mul(2).log_softmax(-1)
+    idx = torch.randperm(60)[:45]
+    out = {}
+    for compiled in (False, True):
+        D.compile_loss(compiled)
+        assert (D.kl_rows is not D._kl_rows) == compiled
+        try:
+            x = logits.clone().requires_grad_()
+            kl, top = D.SoftKL.apply(x, target_logp, idx)
+            kl.sum().backward()
+            ids, logp = D.targets(logits)
+            out[compiled] = kl.detach(), top, x.grad, ids, logp
+        finally:
+            D.compile_loss(False)
+    for eager, fused in zip(out[False], out[True]):
+        torch.testing.assert_close(fused, eager, rtol=1e-4, atol=1e-5)
+    ref = (target_logp[idx].exp() * (target_logp[idx] - logits.float().log_softmax(-1))).sum(-1)
+    torch.testing.assert_close(out[True][0], ref, rtol=1e-4, atol=1e-5)
+    assert torch.equal(out[True][1], logits.float().argmax(-1))

@@ -258,3 +258,18 @@ def test_build_model_from_trained_weights_skips_random_init(extracted):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     with pytest.raises(RuntimeError, match="lacks trainable"):
         build_model(g, model_dir, None, {k: v for k, v in trainable_state(ref).items() if not k.startswith("fc")})
+
+
+def test_no_cpu_compiler_means_eager_loss_with_a_warning(monkeypatch, caplog):
+    """A machine without a C++ compiler trains with the eager loss instead of failing after the model load."""
+    import logging
+    from torch._inductor import cpp_builder
+    from common.trainer import cpu_compiler_found
+
+    def missing():
+        raise RuntimeError("Failed to find a working C++ compiler")
+    monkeypatch.setattr(cpp_builder, "get_cpp_compiler", missing)
+    log = logging.getLogger("test")
+    with caplog.at_level(logging.WARNING):
+        assert cpu_compiler_found(log) is False
+    assert "no C++ compiler" in caplog.text and "--no-compile" in caplog.text
