@@ -219,7 +219,7 @@ def use_bf16(device, amp):
 
 
 def cpu_compiler_found(log):
-    """torch.compile on the CPU builds C++: without a compiler the loss runs eager (~15% slower), not fails."""
+    """torch.compile on the CPU builds C++: without a compiler the loss runs eager (a ~1.3x slower step), not fails."""
     from torch._inductor import cpp_builder
     try:
         cpp_builder.get_cpp_compiler()
