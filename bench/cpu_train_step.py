@@ -23,6 +23,7 @@ from common.draft import DraftGeometry, Eagle3Draft, optimize_bf16, ttt_loss  # 
 from common.hidden_states import read_sample, sample_path  # noqa: E402
 from common.train_data import pack, PackedDataset, to_device  # noqa: E402
 
+# train_throughput.GEOMETRIES["smollm2"]; not imported: that module puts its own checkout first on sys.path
 SMOLLM2 = dict(hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64, intermediate_size=1536, rms_norm_eps=1e-5,
                rope_theta=1e5, max_position_embeddings=8192, verifier_vocab_size=49152)
 

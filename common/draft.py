@@ -81,6 +81,9 @@ def rope(x, pos, theta):
     return apply_rope(x, *rope_cos_sin(pos, x.shape[-1], theta, x.dtype))
 
 
+ROW_BUCKET = 64
+
+
 class Linear(nn.Linear):
     """nn.Linear whose CPU matmuls see row counts rounded up to a multiple of ROW_BUCKET. oneDNN builds a
     kernel per new shape (a [1400, 576] x [576, 4096] bf16 product: ~18 ms the first time, 6 ms after),
@@ -92,9 +95,6 @@ class Linear(nn.Linear):
         if not pad or x.device.type != "cpu" or x.dim() != 2:
             return super().forward(x)
         return super().forward(F.pad(x, (0, 0, 0, pad)))[:n]
-
-
-ROW_BUCKET = 64
 
 
 class Attention(nn.Module):
