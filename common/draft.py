@@ -147,8 +147,8 @@ class TTTPlan:
 
     def _attend_sdpa(self, q, step):
         """Per document: its step-0 keys, causal, plus each query's own keys of steps 1..step as per-row dot
-        products: scores [m, n + step], not SDPA's [m, n + step*m] with a diagonal mask (whose masked-out
-        part was most of a TTT step's attention work on the CPU). Cost grows with the document lengths."""
+        products: scores [m, n + step], not SDPA's [m, n + step*m] with a diagonal mask. Cost grows with the
+        document lengths."""
         q_orig, ranges, out = self.rows[step], self.doc_ranges[step], torch.empty_like(q)
         # contiguous: the cached keys are [heads, T, dim] views of [T, heads, dim]
         k0, v0 = (t.float().contiguous() for t in self.cache[0])
