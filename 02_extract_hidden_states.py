@@ -15,7 +15,7 @@ from common.extract import (HfExtractor, VllmExtractor, check_layer_ids, default
 from common.hidden_states import LAYER_CONVENTION, disk_estimate, is_valid, sample_path
 from common.io import check_free_disk, sha256_text, write_json_atomic, write_manifest
 from common.log import fmt_duration
-from common.models import load_verifier_config, resolve_verifier
+from common.models import load_verifier_config, resolve_verifier, verifier_piece_keys
 from common.stage import ensure_writable, start
 
 
@@ -32,7 +32,9 @@ def preflight(cfg, log):
         text_cfg = SimpleNamespace(num_hidden_layers=30, hidden_size=576, num_attention_heads=9, num_key_value_heads=3)
     n = text_cfg.num_hidden_layers
     layer_ids = list(cfg.layer_ids or default_layer_ids(n))
-    check_layer_ids(layer_ids, n)
+    check_layer_ids(layer_ids, n, getattr(text_cfg, "model_type", ""))
+    if cfg.self_check_samples and not cfg.dry_run:  # names and shapes from the headers: seconds
+        verifier_piece_keys(model_dir, text_cfg.hidden_size)
     if cfg.backend == "vllm":
         from common.engine import check_parallel
         check_parallel(cfg, text_cfg)
@@ -74,6 +76,7 @@ def main():
     check_free_disk(out, need, "hidden states")
     meta = file_meta(cfg, layer_ids, hidden, model_dir, params_hash)
     stats, load_s = {"samples": 0, "tokens": 0, "bytes": 0, "bad": {}, "seconds": 0.0}, 0.0
+    engine = None
     if todo:
         t0 = time.time()
         if cfg.backend == "vllm":
@@ -81,17 +84,18 @@ def main():
         else:
             extractor = HfExtractor(model_dir, cfg, layer_ids)
         load_s = time.time() - t0
-        log.info("model loaded in %s", fmt_duration(load_s))
+        engine = extractor.engine_facts
+        log.info("model loaded in %s; engine: %s", fmt_duration(load_s), engine)
         stats = extract(extractor, todo, records, out, meta, cfg, log)
         log.info("extracted %d samples, %d tokens in %.1fs (%.0f tokens/s), wrote %.3f GB; %d bad samples excluded",
                  stats["samples"], stats["tokens"], stats["seconds"], stats["tokens_per_s"], stats["bytes"] / 1e9,
                  len(stats["bad"]))
     write_json_atomic(out / f"shard_{cfg.shard_index}_of_{cfg.num_shards}.json",
                       dict(stats, load_seconds=round(load_s, 1), skipped_valid=len(done)))
-    return finish(cfg, log, out, records, params, params_hash, model_dir, text_cfg, stats, load_s)
+    return finish(cfg, log, out, records, params, params_hash, model_dir, text_cfg, stats, load_s, engine)
 
 
-def finish(cfg, log, out, records, params, params_hash, model_dir, text_cfg, stats, load_s):
+def finish(cfg, log, out, records, params, params_hash, model_dir, text_cfg, stats, load_s, engine):
     """Write the stage manifest once every sample of every shard is on disk."""
     present = [i for i in range(len(records)) if sample_path(out, i).exists()]
     missing = len(records) - len(present)
@@ -110,7 +114,7 @@ def finish(cfg, log, out, records, params, params_hash, model_dir, text_cfg, sta
                            "bad_samples": stats["bad"], "bytes": sum(sample_path(out, i).stat().st_size for i in present)},
                    timings={"model_load_seconds": round(load_s, 1), "extract_seconds": stats["seconds"],
                             "tokens_per_s_this_run": stats.get("tokens_per_s")},
-                   self_check=check)
+                   self_check=check, engine=engine)
     log.info("wrote %s/manifest.json: %d/%d samples, %d tokens", out, len(present), len(records), total_tokens)
     if missing:
         log.warning("%d samples missing (bad or not extracted); re-run to retry them", missing)

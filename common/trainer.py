@@ -57,7 +57,7 @@ def build_model(g, model_dir, target_ids, trained=None, train_head=False):
         if missing:
             raise RuntimeError(f"checkpoint lacks trainable weights {missing[:3]}")
         model.load_state_dict(trained, strict=False)
-    w = load_verifier_pieces(model_dir)
+    w = load_verifier_pieces(model_dir, g.hidden_size)
     rows = torch.as_tensor(target_ids) if target_ids is not None else torch.arange(g.verifier_vocab_size)
     with torch.no_grad():
         model.embed_tokens.weight.copy_(w["embed_tokens.weight"].float())
