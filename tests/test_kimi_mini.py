@@ -3,8 +3,10 @@ KimiK25ForConditionalGeneration (vision tower + projector around a DeepSeek-V3 t
 MoE), regenerated answers, extraction through `extract_hidden_states`, training, the EAGLE-format export
 and serving (common/mini_kimi.py, configs/kimi-k2.5-mini.yaml)."""
 import json
+import os
 import shutil
 import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -154,3 +156,35 @@ def test_layer_ids_vllm_cannot_take_are_refused_before_any_load(kimi_run):
                           "--layer-ids", ids, "--dry-run")
         assert proc.returncode == 2 and "Traceback" not in proc.output, proc.output[-2000:]
         assert needle in proc.stderr.strip().splitlines()[-1]
+
+
+SITECUSTOMIZE = '''
+import atexit, json, os
+import torch.cuda
+calls = []
+for _name in ("is_available", "device_count"):
+    def _wrap(*a, _orig=getattr(torch.cuda, _name), _name=_name, **k):
+        calls.append([_name, os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")])
+        return _orig(*a, **k)
+    setattr(torch.cuda, _name, _wrap)
+atexit.register(lambda: open(os.environ["CUDA_CALLS_LOG"], "w").write(json.dumps(calls)))
+'''
+
+
+def test_vllm_stage_preflights_ask_about_cuda_without_touching_the_driver(kimi_run, tmp_path):
+    """vLLM forks its engine core and TP workers unless CUDA is initialised; a torch.cuda.is_available() or
+    device_count() in our preflight would initialise the driver unflagged and the forked child then fails
+    ("Cannot re-initialize CUDA in forked subprocess", seen on an H200). Every such call in the preflights
+    of stages 1 (--regenerate), 2 and 5 must run with PYTORCH_NVML_BASED_CUDA_CHECK=1 already set."""
+    (tmp_path / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    for script in ("01_prepare_dataset.py", "02_extract_hidden_states.py", "05_evaluate.py"):
+        log = tmp_path / f"{script}.json"
+        # as a user's shell has it: without the variable (this test process set it when it imported common)
+        env = {k: v for k, v in os.environ.items() if k != "PYTORCH_NVML_BASED_CUDA_CHECK"}
+        env.update(PYTHONPATH=str(tmp_path), CUDA_CALLS_LOG=str(log))
+        proc = subprocess.run([sys.executable, str(ROOT / script), "--config", CONFIG, "--work-dir", str(kimi_run),
+                               *map(str, ARGS), "--dry-run"], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-2000:]
+        calls = json.loads(log.read_text())
+        assert calls and all(flag == "1" for _, flag in calls), (script, calls)
