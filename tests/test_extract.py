@@ -44,6 +44,9 @@ def test_vllm_files_layout_and_manifest(vllm_run):
     assert man["status"] == "complete" and man["params"]["layer_ids"] == [2, 15, 27, 30]
     assert man["counts"]["samples"] == n_samples(vllm_run) >= 4 and not man["counts"]["bad_samples"]
     assert man["self_check"]["positions"] > 0 and 0.0 <= man["self_check"]["next_token_agreement"] <= 1.0
+    # chunked prefill stays on: vLLM warns that turning it off at large batches may crash or give wrong
+    # outputs, and the connector does not need it off (these states equal transformers', next test)
+    assert man["engine"]["chunked_prefill"] is True, man["engine"]
     prepared = [json.loads(l) for l in (vllm_run / "prepared" / "tokenized_data.jsonl").read_text().splitlines()]
     for rec, s in zip(prepared, load_all(vllm_run)):
         assert s["hidden_states"].shape == (len(rec["input_ids"]), 4, 576)

@@ -50,7 +50,10 @@ def test_pipeline_regenerates_extracts_trains_exports_and_serves(kimi_run):
     assert draft["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
     rows = {r["num_speculative_tokens"]: r for r in json.loads((kimi_run / "eval" / "acceptance.json").read_text())["results"]}
     assert sorted(rows) == [1, 2, 3] and rows[3].get("derived_from_k") is None
-    assert rows[1]["derived_from_k"] == 3 and rows[2]["derived_from_k"] == 3
+    assert rows[1]["derived_from_k"] == 3 and rows[2]["derived_from_k"] == 3  # one engine, not three model loads
+    per_pos = rows[3]["per_position_acceptance"]
+    assert rows[1]["acceptance_length"] == round(1 + per_pos[0], 4)
+    assert rows[2]["acceptance_length"] == round(1 + per_pos[0] + per_pos[1], 4)
     assert rows[3]["drafts"] > 0 and rows[3]["prompts"] == 4 and rows[3]["acceptance_length"] >= 1.0
     report = (kimi_run / "report.md").read_text()
     assert "k=3: acceptance length" in report
