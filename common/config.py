@@ -2,8 +2,9 @@
 
 Every script accepts every option (so a wrapper can pass the same flags to all stages); each
 script's --help lists the options it uses first. Precedence: schema default < --config file <
-command line. Unknown options, in a file or on the command line, fail at once with exit 2 and
-the closest valid name.
+command line. Unknown options, in a file or on the command line, fail at once with exit 2: every
+one of them in one error, each with its replacement (names from other pipelines, common/flag_aliases.py)
+or the closest valid name.
 """
 import argparse
 import difflib
@@ -156,17 +157,55 @@ def flag_name(name):
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that suggests the closest valid option and exits 2 without a traceback."""
+    """argparse that exits 2 without a traceback (unknown options are handled by unknown_options)."""
 
     def error(self, message):
-        if "unrecognized arguments" in message:
-            bad = message.split(":", 1)[1].split()
-            opt = next((b for b in bad if b.startswith("--")), bad[0])
-            valid = [s for a in self._actions for s in a.option_strings if s.startswith("--")]
-            close = difflib.get_close_matches(opt.split("=")[0], valid, n=1, cutoff=0.5)
-            hint = f"; did you mean {close[0]}?" if close else f"; see {self.prog} --help"
-            message = f"unknown option {opt}{hint}"
         raise UsageError(message)
+
+
+def _split_unknown(extras):
+    """argparse's leftovers -> [(name, value or None)]: '--x=1', '--x 1', '--flag'."""
+    out, i = [], 0
+    while i < len(extras):
+        tok = extras[i]
+        if tok.startswith("-") and "=" in tok:
+            out.append(tuple(tok.split("=", 1)))
+        elif tok.startswith("-"):
+            nxt = extras[i + 1] if i + 1 < len(extras) else None
+            if nxt is not None and not nxt.startswith("--"):
+                out.append((tok, nxt))
+                i += 1
+            else:
+                out.append((tok, None))
+        else:
+            out.append((tok, None))  # a stray value
+        i += 1
+    return out
+
+
+def unknown_options(extras, stage, valid, prog):
+    """One error for every unknown option on the command line, each with the exact replacement."""
+    from common.flag_aliases import replacement
+    lines = []
+    for name, value in _split_unknown(extras):
+        given = name + (f" {value}" if value is not None else "")
+        if not name.startswith("-"):
+            lines.append((given, f"a value without an option; see {prog} --help"))
+            continue
+        found = replacement(name, value, stage)
+        if found:
+            lines.append((given, f"use {found[0]} ({found[1]})"))
+            continue
+        close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
+        lines.append((given, f"did you mean {close[0]}?" if close else f"see {prog} --help"))
+    if len(lines) == 1:
+        given, fix = lines[0]
+        name = given.split()[0]
+        return UsageError(f"unknown option {name}; {fix}" if fix.startswith(("did", "see")) else
+                          f"unknown option {given}: {fix}")
+    width = max(len(g) for g, _ in lines)
+    return UsageError(f"{len(lines)} unknown options, nothing was loaded:\n" +
+                      "\n".join(f"  {g:<{width}}  {fix}" for g, fix in lines))
 
 
 def build_parser(stage, description):
@@ -232,7 +271,11 @@ class Config(dict):
 
 def parse_config(stage, description, argv=None):
     parser = build_parser(stage, description)
-    args = vars(parser.parse_args(argv))
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        valid = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+        raise unknown_options(extras, stage, valid, parser.prog)
+    args = vars(args)
     cfg = Config({o.name: o.default for o in OPTIONS})
     cfg.source = {k: "default" for k in cfg}
     cfg.config_file = args.pop("config", None)

@@ -1,0 +1,65 @@
+"""Option names users bring from other EAGLE-3 pipelines (SpecForge, speculators, vLLM, hand-built
+scripts), each mapped to ours with the reason. Never accepted silently: one name per option stays the
+rule; an unknown option is refused with the exact replacement (common/config.py)."""
+from pathlib import PurePath
+
+WORK_DIR = ("--work-dir", "one run folder for all stages: stage 1 writes W/prepared/, stage 2 W/hidden_states/, "
+                          "stage 4 W/final_draft/; conversations to read: --dataset")
+STAGE_FOLDERS = {"prepared", "hidden_states", "vocab", "train", "final_draft", "eval"}
+VERIFIER = ("--verifier", "the verifier: a local HF model folder or an HF id")
+TP = ("--tensor-parallel-size", "GPUs per model, as vLLM names it")
+BATCH = {2: ("--max-tokens-per-batch", "tokens per engine call, not samples: e.g. 32768"),
+         4: ("--max-tokens-per-step", "packed tokens per micro-batch, not samples: e.g. 8192")}
+
+# name -> (our option, why); names of values that mean the same thing keep the user's value
+ALIASES = {
+    "--model-path": VERIFIER, "--model": VERIFIER, "--target-model-path": VERIFIER, "--target-model": VERIFIER,
+    "--verifier-model": VERIFIER, "--base-model": VERIFIER, "--model-name-or-path": VERIFIER,
+    "--data-path": WORK_DIR, "--prepared-data": WORK_DIR, "--output-dir": WORK_DIR, "--output": WORK_DIR,
+    "--hidden-states-path": WORK_DIR, "--cache-dir": WORK_DIR, "--save-dir": WORK_DIR,
+    "--tp-size": TP, "--tp": TP, "--tensor-parallel": TP,
+    "--num-epochs": ("--epochs", "training epochs"),
+    "--learning-rate": ("--lr", "peak learning rate"),
+    "--draft-vocab": ("--draft-vocab-size", "draft vocabulary size"),
+    "--vocab-size": ("--draft-vocab-size", "the draft's vocabulary; the verifier's comes from its config"),
+    "--max-length": ("--max-seq-len", "longest sample in tokens"),
+    "--max-model-len": ("--max-seq-len", "longest sample in tokens"),
+    "--seq-len": ("--max-seq-len", "longest sample in tokens"),
+    "--ttt-length": ("--ttt-steps", "training-time-test unroll depth"),
+    "--num-speculative-steps": ("--num-speculative-tokens", "draft tokens per step in evaluation"),
+    "--num-spec-tokens": ("--num-speculative-tokens", "draft tokens per step in evaluation"),
+    "--speculative-num-draft-tokens": ("--num-speculative-tokens", "draft tokens per step in evaluation"),
+    "--aux-hidden-state-layer-ids": ("--layer-ids", "aux ids plus the final one, vLLM numbering"),
+    "--eagle-aux-hidden-state-layer-ids": ("--layer-ids", "aux ids plus the final one, vLLM numbering"),
+    "--target-layer-ids": ("--layer-ids", "aux ids plus the final one, vLLM numbering (id k enters layer k)"),
+    "--save-interval": ("--save-every", "checkpoint every N optimizer steps"),
+    "--total-steps": ("--max-steps", "stop after N optimizer steps"),
+    "--num-train-steps": ("--max-steps", "stop after N optimizer steps"),
+    "--warmup-ratio": ("--warmup-steps", "a step count, not a fraction of training"),
+    "--gradient-accumulation-steps": ("--grad-accum", "micro-batches per optimizer step"),
+    "--max-grad-norm": ("--grad-clip", "gradient norm clip"),
+    "--num-samples-eval": ("--eval-limit", "prompts to evaluate"),
+    "--chat-template-path": ("--chat-template", "a template file or string"),
+}
+KEEP_VALUE = {"--verifier", "--tensor-parallel-size", "--epochs", "--lr", "--draft-vocab-size", "--max-seq-len",
+              "--ttt-steps", "--num-speculative-tokens", "--layer-ids", "--save-every", "--max-steps", "--grad-accum",
+              "--grad-clip", "--eval-limit", "--chat-template"}
+
+
+def replacement(name, value, stage):
+    """-> (our option with the user's value where it means the same, why) or None for an unknown name."""
+    if name == "--batch-size":
+        if stage in BATCH:
+            return BATCH[stage]
+        return (f"{BATCH[2][0]} (stage 2) or {BATCH[4][0]} (stage 4)", "budgets in tokens, not samples")
+    if name not in ALIASES:
+        return None
+    ours, why = ALIASES[name]
+    if ours in KEEP_VALUE and value is not None:
+        return f"{ours} {value}", why
+    if ours == "--work-dir" and value:  # a stage's folder or file inside a run folder: name the run folder
+        parts = PurePath(value).parts
+        inside = [i for i, p in enumerate(parts) if p in STAGE_FOLDERS]
+        if inside:
+            return f"--work-dir {PurePath(*parts[:inside[0]]) if inside[0] else '.'}", why
+    return ours, why
