@@ -208,19 +208,33 @@ def unknown_options(extras, stage, valid, prog):
                       "\n".join(f"  {g:<{width}}  {fix}" for g, fix in lines))
 
 
-def build_parser(stage, description):
-    parser = _Parser(prog=Path(sys.argv[0]).name, description=description,
-                     formatter_class=argparse.ArgumentDefaultsHelpFormatter, allow_abbrev=False)
-    parser.add_argument("--config", help="YAML config file (see configs/)")
-    mine = parser.add_argument_group(f"options used by stage {stage}")
-    other = parser.add_argument_group("options of other stages (accepted so one flag set serves all stages)")
+METAVARS = {int: "N", float: "X", _int_list: "N,N,..", str: "S"}
+
+
+def build_parser(stage, description, argv=None):
+    """This stage's options and the shared ones in --help; the other stages' (accepted too, so one flag set
+    serves the whole chain) only in --help-all."""
+    show_all = "--help-all" in (sys.argv[1:] if argv is None else argv)
+    parser = _Parser(prog=Path(sys.argv[0]).name, description=description, allow_abbrev=False,
+                     usage="%(prog)s [--config FILE.yaml] [OPTIONS]",
+                     epilog=None if show_all else "The options of the other stages are accepted too (one flag set "
+                                                  "serves the whole chain); --help-all lists them.",
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="YAML config file (see configs/); command-line options override it")
+    parser.add_argument("--help-all", action="help", help="also list the options of the other stages")
+    own = parser.add_argument_group(f"stage {stage} options") if stage else None
+    shared = parser.add_argument_group("options of every stage")
+    other = parser.add_argument_group("options of the other stages")
     for o in OPTIONS:
-        group = mine if (o.stages == "all" or str(stage) in o.stages) else other
-        kwargs = dict(dest=o.name, default=argparse.SUPPRESS, help=o.help + f" (default: {o.default})")
+        group = shared if o.stages == "all" else own if own and str(stage) in o.stages else other
+        text = o.help + ("" if "default" in o.help else f" (default: {o.default})")
+        kwargs = dict(dest=o.name, default=argparse.SUPPRESS,
+                      help=text if group is not other or show_all else argparse.SUPPRESS)
         if o.flag:
             group.add_argument(flag_name(o.name), action=argparse.BooleanOptionalAction, **kwargs)
         else:
-            group.add_argument(flag_name(o.name), type=o.type, choices=o.choices, **kwargs)
+            metavar = "{" + ",".join(o.choices) + "}" if o.choices else METAVARS.get(o.type, "S")
+            group.add_argument(flag_name(o.name), type=o.type, choices=o.choices, metavar=metavar, **kwargs)
     return parser
 
 
@@ -270,7 +284,7 @@ class Config(dict):
 
 
 def parse_config(stage, description, argv=None):
-    parser = build_parser(stage, description)
+    parser = build_parser(stage, description, argv)
     args, extras = parser.parse_known_args(argv)
     if extras:
         valid = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]

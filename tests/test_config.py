@@ -112,3 +112,15 @@ def test_kimi_mini_config_is_the_kimi_recipe_with_sizes_changed():
     assert mini["export_format"] == "eagle" and mini["layer_ids"][-1] == 8
     cfg = parse_config(2, "t", ["--config", str(ROOT / "configs" / "kimi-k2.5-mini.yaml")])
     assert cfg.verifier == "embedded:kimi-k2.5-mini" and cfg.layer_ids == [2, 4, 5, 8]
+
+
+def test_stage_help_shows_its_own_options_and_points_to_the_rest():
+    short = run_script("02_extract_hidden_states.py", "--help")
+    out = short.stdout
+    assert short.returncode == 0 and len(out.splitlines()[0]) < 80, out.splitlines()[0]  # a short usage line
+    assert out.index("stage 2 options") < out.index("options of every stage")
+    assert "--max-tokens-per-batch N" in out and "--ttt-decay" not in out and "--eval-limit" not in out
+    assert "--help-all lists them" in out
+    full = run_script("02_extract_hidden_states.py", "--help-all").stdout
+    assert "options of the other stages" in full and "--ttt-decay" in full and "--eval-limit" in full
+    assert len(full.splitlines()) > len(out.splitlines()) + 60
