@@ -84,13 +84,17 @@ def lr_lambda(warmup, total):
 
 
 def rng_state():
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+    """Plain data and tensors only (numpy's key as a list), so that state.pt loads with weights_only=True."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"python": random.getstate(), "numpy": [name, keys.tolist(), pos, has_gauss, cached],
+            "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
 
 
 def set_rng_state(s):
     random.setstate(s["python"])
-    np.random.set_state(s["numpy"])
+    name, keys, pos, has_gauss, cached = s["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(s["torch"])
     if s.get("cuda") and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(s["cuda"])
@@ -152,10 +156,22 @@ def load_weights(path, model):
     model.load_state_dict(load_file(str(path / "trainable.safetensors")), strict=False)
 
 
+def read_state(path):
+    """A checkpoint's state.pt, tensors and plain data only. Checkpoint folders travel between nodes and
+    people; a full unpickle would run whatever code the file holds, weights_only refuses it unread."""
+    import pickle
+    try:
+        return torch.load(path / "state.pt", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()[0][:160]
+        raise UsageError(f"{path / 'state.pt'} holds more than tensors and plain data and was not loaded (it could "
+                         f"run code; or an older eagle3-train wrote it): {first}; delete {path} or use a new --work-dir")
+
+
 def load_checkpoint(path, model, opt, sched, fsdp=False):
     """Weights, optimizer, scheduler and RNG; -> the saved training state (step, epoch, data position...)."""
     from safetensors.torch import load_file
-    state = torch.load(path / "state.pt", weights_only=False)
+    state = read_state(path)
     if fsdp:  # every rank loads the full state; torch scatters each rank's shards
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
         set_state_dict(model, opt, model_state_dict=load_file(str(path / "trainable.safetensors")),
@@ -382,7 +398,7 @@ class Trainer:
             if self.rank == 0 and self.metrics_path.exists():
                 self.metrics_path.unlink()  # a fresh run starts a fresh curve
             return False
-        saved = torch.load(ckpt / "state.pt", weights_only=False).get("settings")
+        saved = read_state(ckpt).get("settings")
         if saved != self.settings:
             saved = saved or {}
             diff = sorted(k for k in self.settings if saved.get(k) != self.settings[k])

@@ -273,3 +273,28 @@ def test_no_cpu_compiler_means_eager_loss_with_a_warning(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING):
         assert cpu_compiler_found(log) is False
     assert "no C++ compiler" in caplog.text and "--no-compile" in caplog.text
+
+
+class _Payload:
+    """What a tampered state.pt could hold: unpickling it runs a command."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_pickle_payload_planted_in_a_checkpoint_is_refused_unrun(trained, tmp_path):
+    from common.trainer import latest_checkpoint
+    work = tmp_path / "w"
+    shutil.copytree(trained, work)
+    ckpt = latest_checkpoint(work / "train" / "checkpoints")
+    state = torch.load(ckpt / "state.pt", weights_only=True)  # our own checkpoints load as plain data
+    marker = tmp_path / "payload-ran"
+    torch.save({**state, "extra": _Payload(marker)}, ckpt / "state.pt")
+    proc = run_script("04_train.py", "--work-dir", work, *OVERFIT)  # the same command resumes from it
+    assert proc.returncode == 2 and "Traceback" not in proc.output, proc.output[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "state.pt holds more than tensors and plain data" in last, last
+    assert not marker.exists()
