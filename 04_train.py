@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from common.errors import UsageError, run_main
-from common.export import compare_with_reference, export_draft
+from common.export import compare_with_reference, export_draft, serve_command
 from common.extract import load_prepared
 from common.io import read_manifest, write_manifest
 from common.models import load_verifier_config, resolve_verifier
@@ -167,8 +167,7 @@ def finish(cfg, log, model, g, layer_ids, model_dir, text_cfg, state, val_rows, 
         log.info("best validation: full acc %s, cond acc %s, simulated acceptance length %.3f",
                  " / ".join(f"{best_val[f'full_acc_{i}']:.3f}" for i in range(k)),
                  " / ".join(f"{best_val[f'cond_acc_{i}']:.3f}" for i in range(k)), best_val["acceptance_length"])
-    log.info("serve it: vllm serve %s --speculative-config '{\"method\": \"eagle3\", \"model\": \"%s\", "
-             "\"num_speculative_tokens\": %d}'", model_dir, final.resolve(), cfg.ttt_steps)
+    log.info("serve it (OpenAI-compatible server on port 8000): %s", serve_command(model_dir, final, cfg))
     return 0
 
 

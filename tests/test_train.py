@@ -298,3 +298,48 @@ def test_a_pickle_payload_planted_in_a_checkpoint_is_refused_unrun(trained, tmp_
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: ") and "state.pt holds more than tensors and plain data" in last, last
     assert not marker.exists()
+
+
+def test_printed_serve_command_starts_a_server_that_serves_the_draft(trained, tmp_path):
+    """The command stage 4 prints, run as printed (with this venv's python and a free port): an
+    OpenAI-compatible server; a chat through the openai client; vLLM's spec-decode counters on /metrics."""
+    import re
+    import shlex
+    import socket
+    import urllib.request
+    from openai import OpenAI
+    log = run_script("04_train.py", "--work-dir", trained, *OVERFIT).output  # finished run: prints it again
+    command = re.search(r"serve it \(OpenAI-compatible server on port 8000\): (.*)", log).group(1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = shlex.split(command.replace("--port 8000", f"--port {port}"))
+    assert argv[:3] == ["python", "-m", "vllm.entrypoints.openai.api_server"]
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+    server = subprocess.Popen([sys.executable, *argv[1:], "--host", "127.0.0.1", "--max-model-len", "1024"],
+                              cwd=tmp_path, env=env, stdout=open(tmp_path / "server.log", "w"),
+                              stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 420
+        while time.time() < deadline:
+            try:
+                if urllib.request.urlopen(f"{base}/health", timeout=2).status == 200:
+                    break
+            except OSError:
+                assert server.poll() is None, (tmp_path / "server.log").read_text()[-3000:]
+                time.sleep(2)
+        client = OpenAI(base_url=f"{base}/v1", api_key="none")
+        model = client.models.list().data[0].id
+        reply = client.chat.completions.create(model=model, temperature=0, max_tokens=48,
+                                               messages=[{"role": "user", "content": "Name three colours."}])
+        assert reply.choices[0].message.content.strip()
+        metrics = urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode()
+        count = {name: sum(float(v) for v in re.findall(rf"^vllm:spec_decode_{name}_total{{[^}}]*}} (\S+)$",
+                                                        metrics, re.M))
+                 for name in ("num_drafts", "num_accepted_tokens")}
+        assert count["num_drafts"] > 0, count
+        assert 1 + count["num_accepted_tokens"] / count["num_drafts"] > 1.0, count
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(60)
