@@ -163,9 +163,8 @@ def write_mini_kimi(out_dir, tokenizer_dir, seed=0):
                 p.normal_(0, 0.5)
             elif name.endswith("mlp.gate.weight"):
                 p.mul_(5.0)
-            elif name.startswith("model.language_model.layers.") and name.endswith(("o_proj.weight", "down_proj")):
-                p.mul_(0.25)  # + the dense layer's and shared experts' down_proj.weight below
-            elif name.startswith("model.language_model.layers.") and name.endswith("down_proj.weight"):
+            elif name.startswith("model.language_model.layers.") and \
+                    name.endswith(("o_proj.weight", "down_proj", "down_proj.weight")):  # fused experts: no .weight
                 p.mul_(0.25)
         # Decisive choices: a random model's near-uniform next-token and expert scores are all near-ties,
         # which two implementations (or batched verification and one-token decoding) break differently at
