@@ -11,11 +11,12 @@ from pathlib import Path
 from common.engine import compute_dtype
 from common.errors import UsageError, run_main
 from common.extract import (HfExtractor, VllmExtractor, check_layer_ids, default_layer_ids, extract, file_meta,
-                            load_prepared, self_check)
+                            self_check)
 from common.hidden_states import LAYER_CONVENTION, disk_estimate, is_valid, sample_path
 from common.io import check_free_disk, sha256_text, write_json_atomic, write_manifest
 from common.log import fmt_duration
-from common.models import load_verifier_config, resolve_verifier, verifier_piece_keys
+from common.models import embedded_text_config, load_verifier_config, resolve_verifier, verifier_piece_keys
+from common.prepare import load_prepared
 from common.stage import ensure_writable, start
 
 
@@ -27,9 +28,8 @@ def preflight(cfg, log):
         raise UsageError(f"prepared data was tokenized for verifier {prep_man['params']['verifier']}, not "
                          f"{cfg.verifier}; re-run 01_prepare_dataset.py or pass the same --verifier")
     text_cfg = load_verifier_config(model_dir, cfg.trust_remote_code)
-    if text_cfg is None:  # dry run of the embedded model before its first conversion
-        from types import SimpleNamespace
-        text_cfg = SimpleNamespace(num_hidden_layers=30, hidden_size=576, num_attention_heads=9, num_key_value_heads=3)
+    if text_cfg is None:  # dry run of an embedded model before its first conversion
+        text_cfg = embedded_text_config(cfg.verifier)
     n = text_cfg.num_hidden_layers
     layer_ids = list(cfg.layer_ids or default_layer_ids(n))
     check_layer_ids(layer_ids, n, getattr(text_cfg, "model_type", ""))

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from common.errors import run_main
-from common.extract import load_prepared
+from common.prepare import load_prepared
 from common.io import atomic_path, write_manifest
 from common.models import load_tokenizer, load_verifier_config, resolve_verifier
 from common.stage import ensure_writable, start

@@ -18,13 +18,16 @@ from safetensors.torch import load_file
 
 from common.errors import UsageError, run_main
 from common.export import compare_with_reference, export_draft, serve_command
-from common.extract import load_prepared
+from common.prepare import load_prepared
 from common.io import read_manifest, write_manifest
 from common.models import load_verifier_config, resolve_verifier
 from common.stage import ensure_writable, start
 from common.train_data import split_samples
-from common.trainer import (Trainer, build_model, dist_setup, geometry, latest_checkpoint, load_weights,
-                            plan_epochs, plot_curves)
+from common.build_draft import build_model, geometry
+from common.checkpoints import latest_checkpoint, load_weights
+from common.distributed import dist_setup
+from common.metrics import plot_curves
+from common.trainer import Trainer, plan_epochs
 
 
 def read_inputs(cfg):

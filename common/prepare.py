@@ -9,7 +9,7 @@ from pathlib import Path
 
 from common.chat import BadRecord, Skip, normalize, tokenize_conversation
 from common.errors import UsageError
-from common.io import atomic_path
+from common.io import atomic_path, read_manifest, sha256_file
 from common.log import Progress
 from common.sources import iter_records
 
@@ -189,3 +189,16 @@ def token_stats(records):
     return {"samples": len(records), "total_tokens": sum(lens),
             "assistant_tokens": sum(assistant.values()), "unique_assistant_tokens": len(assistant),
             "max_len": max(lens, default=0), "mean_len": round(sum(lens) / max(len(lens), 1), 1)}
+
+
+def load_prepared(work_dir):
+    """The prepared samples, after checking stage 1's manifest and the data file's hash."""
+    folder = Path(work_dir) / "prepared"
+    man = read_manifest(folder, "prepare", "01_prepare_dataset.py")
+    path = folder / man["outputs"]["tokenized_data"]
+    if not path.is_file():
+        raise UsageError(f"{path} missing though {folder}/manifest.json says complete; re-run 01_prepare_dataset.py")
+    if sha256_file(path) != man["outputs"]["tokenized_data_sha256"]:
+        raise UsageError(f"{path} changed after its manifest was written; re-run 01_prepare_dataset.py")
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    return man, records

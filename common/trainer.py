@@ -1,78 +1,21 @@
-"""Stage 4 logic: build the draft, train it with TTT, checkpoint/resume, validate, plot."""
+"""Stage 4's training loop: epochs of packed sequences, TTT steps, validation, checkpoints, logging."""
 import json
 import math
-import os
-import random
-import resource
-import shutil
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
-import torch.distributed as dist
 
-from common.draft import DraftGeometry, Eagle3Draft, acceptance_length, compile_loss, optimize_bf16, take_embedding
-from common.engine import cpu_has_amx
+from common.checkpoints import gather_states, latest_checkpoint, load_checkpoint, prune_checkpoints, read_state, \
+    save_checkpoint
+from common.distributed import all_reduce_sums, global_sums, wrap_parallel
+from common.draft import compile_loss, optimize_bf16, take_embedding
 from common.errors import UsageError
-from common.io import write_json_atomic
 from common.log import fmt_duration
-from common.models import load_verifier_pieces
+from common.metrics import accumulate, merge_sums, peak_memory_gb, summarize
+from common.precision import autocast, cpu_compiler_found, use_bf16
 from common.train_data import PACKING, make_loader, pack, shifted_len, to_device
 
-
-# ---------------------------------------------------------------- model construction
-
-def geometry(cfg, text_cfg, draft_vocab, num_aux):
-    heads = cfg.draft_num_heads or text_cfg.num_attention_heads
-    rope_theta = getattr(text_cfg, "rope_theta", None) or \
-        (getattr(text_cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
-    g = DraftGeometry(
-        hidden_size=text_cfg.hidden_size, num_heads=heads,
-        num_kv_heads=cfg.draft_num_kv_heads or getattr(text_cfg, "num_key_value_heads", None) or heads,
-        head_dim=cfg.draft_head_dim or getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // heads,
-        intermediate_size=cfg.draft_intermediate_size or text_cfg.intermediate_size,
-        rms_norm_eps=getattr(text_cfg, "rms_norm_eps", 1e-6), rope_theta=float(rope_theta),
-        max_position_embeddings=getattr(text_cfg, "max_position_embeddings", 4096),
-        verifier_vocab_size=text_cfg.vocab_size, draft_vocab_size=draft_vocab, num_aux=num_aux,
-        norm_before_residual=cfg.norm_before_residual)
-    if g.num_heads % g.num_kv_heads:
-        raise UsageError(f"draft heads {g.num_heads} must be a multiple of draft KV heads {g.num_kv_heads}")
-    return g
-
-
-def build_model(g, model_dir, target_ids, trained=None, train_head=False):
-    """Draft with frozen pieces from the verifier: embeddings, draft lm_head = verifier rows of the draft vocab
-    (trained further with train_head). trained: trainable weights from a checkpoint, loaded instead of a
-    random init (which takes half a minute for a Kimi-size draft on the one CPU thread torchrun leaves each rank)."""
-    if trained is None:
-        model = Eagle3Draft(g)
-    else:
-        with torch.device("meta"):
-            model = Eagle3Draft(g)
-        model.to_empty(device="cpu")
-    model.lm_head.requires_grad_(train_head)
-    if trained is not None:
-        missing = [n for n, p in model.named_parameters() if p.requires_grad and n not in trained]
-        if missing:
-            raise RuntimeError(f"checkpoint lacks trainable weights {missing[:3]}")
-        model.load_state_dict(trained, strict=False)
-    w = load_verifier_pieces(model_dir, g.hidden_size)
-    rows = torch.as_tensor(target_ids) if target_ids is not None else torch.arange(g.verifier_vocab_size)
-    with torch.no_grad():
-        model.embed_tokens.weight.copy_(w["embed_tokens.weight"].float())
-        head = w["lm_head.weight"].float()[rows]
-        if trained is None or "lm_head.weight" not in trained:
-            model.lm_head.weight.copy_(head)
-        model.verifier_lm_head.weight.copy_(head)
-        model.verifier_norm.weight.copy_(w["norm.weight"].float())
-        model.d2t.copy_(rows - torch.arange(len(rows)))
-        model.t2d.zero_()
-        model.t2d[rows] = True
-    return model
-
-
-# ---------------------------------------------------------------- schedule, checkpoints
 
 def lr_lambda(warmup, total):
     def f(step):
@@ -83,262 +26,12 @@ def lr_lambda(warmup, total):
     return f
 
 
-def rng_state():
-    """Plain data and tensors only (numpy's key as a list), so that state.pt loads with weights_only=True."""
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    return {"python": random.getstate(), "numpy": [name, keys.tolist(), pos, has_gauss, cached],
-            "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-
-
-def set_rng_state(s):
-    random.setstate(s["python"])
-    name, keys, pos, has_gauss, cached = s["numpy"]
-    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(s["torch"])
-    if s.get("cuda") and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(s["cuda"])
-
-
-def is_trainable_key(k, head=False):
-    """head: the lm_head is trained (--train-lm-head), so checkpoints carry it."""
-    if k.startswith("lm_head"):
-        return head
-    return not k.startswith(("embed_tokens", "verifier_")) and k not in ("d2t", "t2d")
-
-
-def head_trained(model):
-    return model.lm_head.weight.requires_grad
-
-
-def trainable_state(model):
-    head = head_trained(model)
-    return {k: v.detach().cpu() for k, v in model.state_dict().items() if is_trainable_key(k, head)}
-
-
-def gather_states(model, opt, fsdp):
-    """Full trainable weights and optimizer state on the CPU. Under FSDP a collective: every rank calls."""
-    if not fsdp:
-        return trainable_state(model), opt.state_dict()
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-    msd, osd = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if torch.cuda.is_available():
-        # only rank 0 waits for the gathered copies; the others would return with their all-gathers still
-        # queued and, after the last checkpoint, exit: rank 0 then hung forever (seen on 2 H200s)
-        torch.cuda.synchronize()
-    return {k: v for k, v in msd.items() if is_trainable_key(k, head_trained(model))}, osd
-
-
-def save_checkpoint(ckpt_dir, weights, opt_state, sched, state):
-    """Atomic: written to a temporary folder, renamed into place; a kill never leaves half a checkpoint."""
-    from safetensors.torch import save_file
-    tmp = ckpt_dir.with_name(ckpt_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "trainable.safetensors"))
-    torch.save({"optimizer": opt_state, "scheduler": sched.state_dict(), "rng": rng_state(), **state},
-               tmp / "state.pt")
-    write_json_atomic(tmp / "meta.json", {k: v for k, v in state.items() if k != "history"})
-    for f in tmp.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-    shutil.rmtree(ckpt_dir, ignore_errors=True)
-    os.replace(tmp, ckpt_dir)
-
-
-def latest_checkpoint(folder):
-    done = [p for p in folder.glob("step_*") if (p / "state.pt").is_file() and not p.name.endswith(".tmp")]
-    return max(done, key=lambda p: int(p.name.split("_")[1]), default=None)
-
-
-def load_weights(path, model):
-    from safetensors.torch import load_file
-    model.load_state_dict(load_file(str(path / "trainable.safetensors")), strict=False)
-
-
-def read_state(path):
-    """A checkpoint's state.pt, tensors and plain data only. Checkpoint folders travel between nodes and
-    people; a full unpickle would run whatever code the file holds, weights_only refuses it unread."""
-    import pickle
-    try:
-        return torch.load(path / "state.pt", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        first = str(exc).strip().splitlines()[0][:160]
-        raise UsageError(f"{path / 'state.pt'} holds more than tensors and plain data and was not loaded (it could "
-                         f"run code; or an older eagle3-train wrote it): {first}; delete {path} or use a new --work-dir")
-
-
-def load_checkpoint(path, model, opt, sched, fsdp=False):
-    """Weights, optimizer, scheduler and RNG; -> the saved training state (step, epoch, data position...)."""
-    from safetensors.torch import load_file
-    state = read_state(path)
-    if fsdp:  # every rank loads the full state; torch scatters each rank's shards
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-        set_state_dict(model, opt, model_state_dict=load_file(str(path / "trainable.safetensors")),
-                       optim_state_dict=state.pop("optimizer"),
-                       options=StateDictOptions(full_state_dict=True, strict=False))
-    else:
-        load_weights(path, model)
-        opt.load_state_dict(state.pop("optimizer"))
-    sched.load_state_dict(state.pop("scheduler"))
-    set_rng_state(state.pop("rng"))
-    return state
-
-
-def prune_checkpoints(folder, keep_last, best_name):
-    ckpts = sorted((p for p in folder.glob("step_*") if not p.name.endswith(".tmp")),
-                   key=lambda p: int(p.name.split("_")[1]))
-    for p in ckpts[:-keep_last] if keep_last else ckpts:
-        if p.name != best_name:
-            shutil.rmtree(p, ignore_errors=True)
-
-
-# ---------------------------------------------------------------- metrics
-
-def summarize(sums, ttt_steps):
-    """Counts summed over batches -> per-position loss, full/cond accuracy, simulated acceptance length."""
-    out = {}
-    for k in range(ttt_steps):
-        out[f"loss_{k}"] = float(sums.get(f"loss_{k}", 0.0)) / max(sums.get("batches", 1), 1)
-        out[f"full_acc_{k}"] = float(sums.get(f"full_correct_{k}", 0)) / max(float(sums.get(f"full_total_{k}", 0)), 1)
-        out[f"cond_acc_{k}"] = float(sums.get(f"cond_correct_{k}", 0)) / max(float(sums.get(f"cond_total_{k}", 0)), 1)
-    out["acceptance_length"] = acceptance_length([out[f"full_acc_{k}"] for k in range(ttt_steps)])
-    return out
-
-
-def accumulate(sums, metrics):
-    """Sums stay on the device (no sync per micro-batch); summarize() reads them at log time."""
-    for k, v in metrics.items():
-        sums[k] = sums.get(k, 0) + (v.detach().double() if torch.is_tensor(v) else v)
-    sums["batches"] = sums.get("batches", 0) + 1
-
-
-def global_sums(sums, device, world):
-    """One optimizer step's metric sums over all ranks (so the log shows the global batch's loss, not rank 0's
-    share); an all-reduce every step, queued on the device, read only when a line is logged."""
-    if world == 1:
-        return sums
-    keys = sorted(k for k in sums if k != "batches")
-    t = torch.stack([torch.as_tensor(sums[k], dtype=torch.float64, device=device) for k in keys])
-    dist.all_reduce(t)
-    return dict(zip(keys, t.unbind()), batches=sums["batches"] * world)
-
-
-def merge_sums(total, part):
-    for k, v in part.items():
-        total[k] = total.get(k, 0) + v
-
-
-def use_bf16(device, amp):
-    """bf16 autocast where matmuls are fast in bf16: GPUs, and CPUs with AMX (4x fp32 per core here)."""
-    return amp == "bf16" or (amp == "auto" and (device.type == "cuda" or cpu_has_amx()))
-
-
-def cpu_compiler_found(log):
-    """torch.compile on the CPU builds C++: without a compiler the loss runs eager (a ~1.3x slower step), not fails."""
-    from torch._inductor import cpp_builder
-    try:
-        cpp_builder.get_cpp_compiler()
-        return True
-    except Exception as e:  # noqa: BLE001 -- any failure to find one means the same: run eager
-        log.warning("no C++ compiler for torch.compile (%s): the loss runs eager; install g++ or pass --no-compile "
-                    "to silence this", str(e).splitlines()[0][:120])
-        return False
-
-
-def autocast(device, bf16):
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
-
-
-def peak_memory_gb(device):
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-
-
-def plot_curves(metrics_path, out_png, ttt_steps):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    rows = [json.loads(l) for l in Path(metrics_path).read_text().splitlines()]
-    train = [r for r in rows if r["kind"] == "train"]
-    val = [r for r in rows if r["kind"] == "val"]
-    fig, ax = plt.subplots(1, 3, figsize=(15, 4))
-    for k in range(ttt_steps):
-        ax[0].plot([r["step"] for r in train], [r[f"loss_{k}"] for r in train], label=f"train loss pos {k}")
-        ax[1].plot([r["step"] for r in val], [r[f"full_acc_{k}"] for r in val], marker="o", label=f"val full acc {k}")
-    ax[2].plot([r["step"] for r in val], [r["acceptance_length"] for r in val], marker="o")
-    ax[0].set_title("train loss (KL) per TTT position"), ax[0].legend(), ax[0].set_xlabel("step")
-    ax[1].set_title("validation accuracy per position"), ax[1].legend(), ax[1].set_xlabel("step")
-    ax[2].set_title("simulated acceptance length"), ax[2].set_xlabel("step")
-    fig.tight_layout()
-    fig.savefig(out_png, dpi=80)
-    plt.close(fig)
-
-
 def add_noise(aux, scale, num_aux):
     """aux [T, num_aux * H] + Gaussian noise, std = scale x the RMS of each token's state in each layer."""
     x = aux.view(aux.shape[0], num_aux, -1)
     rms = x.float().pow(2).mean(-1, keepdim=True).sqrt()
     return (x + torch.randn_like(x, dtype=torch.float32) * (scale * rms)).to(aux.dtype).view_as(aux)
 
-
-# ---------------------------------------------------------------- distributed
-
-def dist_setup(cfg):
-    """torchrun sets WORLD_SIZE/RANK/LOCAL_RANK; NCCL on GPUs, gloo on CPU. -> (rank, world, device)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    want = cfg.device
-    if want == "auto":
-        want = "cuda" if torch.cuda.is_available() else "cpu"
-    if want == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda but no GPU is visible")
-    if want == "cuda":
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-    else:
-        device = torch.device("cpu")
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return rank, world, device
-
-
-def wrap_parallel(model, device, world, how):
-    """One process: the model itself. DDP: replicas, gradients all-reduced. FSDP (torch's fully_shard):
-    trainable weights, gradients and AdamW state sharded across ranks; the frozen verifier pieces stay
-    replicated (no gradients, nothing to shard but memory). The layer stays gathered for the whole
-    step because every TTT step reuses it."""
-    if world == 1:
-        return model
-    if how == "ddp":
-        # device_ids=None: the batch is already on the device; DDP would copy even the host-side tensors
-        return torch.nn.parallel.DistributedDataParallel(model, device_ids=None)
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    frozen = {p for p in model.parameters() if not p.requires_grad}
-    # GPUs: weights gathered in bf16 (the matmuls run in bf16 under autocast anyway), gradients reduced in fp32
-    # into fp32 shards. Measured on 2 H200s at Kimi geometry: peak 26.1 -> 19.5 GiB per GPU, 50.0k -> 52.9k
-    # tokens/s. CPU (gloo, the tests): fp32, so the tests compare exactly with one process.
-    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda"
-          else MixedPrecisionPolicy())
-    fully_shard(model.layers[0], reshard_after_forward=False, mp_policy=mp)
-    fully_shard(model, reshard_after_forward=False, ignored_params=frozen, mp_policy=mp)
-    return model
-
-
-def all_reduce_sums(sums, device, ttt_steps):
-    if not (dist.is_available() and dist.is_initialized()):
-        return sums
-    # the same keys on every rank, also on a rank that saw no validation sequence
-    keys = ["batches"] + [f"{m}_{k}" for m in ("loss", "full_correct", "full_total", "cond_correct", "cond_total")
-                          for k in range(ttt_steps)]
-    t = torch.tensor([float(sums.get(k, 0)) for k in keys], device=device, dtype=torch.float64)
-    dist.all_reduce(t)
-    return dict(zip(keys, t.tolist()))
-
-
-# ---------------------------------------------------------------- the loop
 
 RESUME_KEYS = ("epochs", "max_steps", "lr", "warmup_steps", "weight_decay", "grad_clip", "grad_accum",
                "max_tokens_per_step", "ttt_steps", "ttt_decay", "seed", "val_fraction", "hidden_noise",
@@ -373,7 +66,8 @@ class Trainer:
         if cfg.compile and device.type == "cpu":
             compile_loss(cpu_compiler_found(log))
         self.fsdp = world > 1 and cfg.parallel == "fsdp"
-        self.ddp = wrap_parallel(model, device, world, cfg.parallel)
+        # the model as the ranks run it: itself (one process, or FSDP, which shards it in place) or its DDP wrapper
+        self.parallel_model = wrap_parallel(model, device, world, cfg.parallel)
         self.opt = torch.optim.AdamW(model.trainable_parameters(), lr=cfg.lr, betas=(0.9, 0.95),
                                      weight_decay=cfg.weight_decay, fused=device.type == "cuda")
         self.epoch_bins = plan_epochs(train_idx, lengths, cfg, world)
@@ -454,7 +148,7 @@ class Trainer:
             for i, batch in enumerate(loader):
                 batch = to_device(batch, self.device, self.dtype)
                 with autocast(self.device, self.bf16):
-                    _, m = self.ddp(batch, self.cfg.ttt_steps, self.cfg.ttt_decay)
+                    _, m = self.parallel_model(batch, self.cfg.ttt_steps, self.cfg.ttt_decay)
                 if i < len(bins):
                     accumulate(sums, m)
         self.model.train()
@@ -484,7 +178,7 @@ class Trainer:
                 if cfg.hidden_noise:
                     batch["aux"] = add_noise(batch["aux"], cfg.hidden_noise, self.model.g.num_aux)
                 with autocast(self.device, self.bf16):
-                    loss, metrics = self.ddp(batch, cfg.ttt_steps, cfg.ttt_decay)
+                    loss, metrics = self.parallel_model(batch, cfg.ttt_steps, cfg.ttt_decay)
                 (loss / cfg.grad_accum).backward()
                 accumulate(step_sums, metrics)
                 st["bin"] += 1

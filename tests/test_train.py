@@ -63,7 +63,7 @@ def test_speculators_loads_checkpoint_and_computes_same_outputs(trained):
 
     from common.draft import DraftGeometry, take_embedding, ttt_loss
     from common.train_data import PackedDataset
-    from common.trainer import build_model
+    from common.build_draft import build_model
     conf = Eagle3SpeculatorConfig.from_pretrained(str(trained / "final_draft"))
     conf.transformer_layer_config._attn_implementation = "sdpa"  # its flex attention default is GPU-only
     ref = Eagle3DraftModel.from_pretrained(str(trained / "final_draft"), config=conf)
@@ -184,7 +184,7 @@ def test_kimi_config_export_matches_aq_medai_reference():
     from common.config import parse_config
     from common.draft import Eagle3Draft
     from common.export import compare_with_reference, export_weights
-    from common.trainer import geometry
+    from common.build_draft import geometry
     cfg = parse_config(4, "t", ["--config", str(ROOT / "configs" / "kimi-k2.5.yaml")])
     kimi_text = SimpleNamespace(hidden_size=7168, num_attention_heads=64, num_key_value_heads=64, head_dim=None,
                                 intermediate_size=18432, rms_norm_eps=1e-6, rope_theta=50000.0,
@@ -246,7 +246,8 @@ def test_build_model_from_trained_weights_skips_random_init(extracted):
     """The FSDP export path: a draft built from checkpoint weights equals one loaded the usual way."""
     from common.draft import DraftGeometry
     from common.models import resolve_verifier
-    from common.trainer import build_model, trainable_state
+    from common.build_draft import build_model
+    from common.checkpoints import trainable_state
     g = DraftGeometry(hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64, intermediate_size=256,
                       rms_norm_eps=1e-5, rope_theta=1e5, max_position_embeddings=2048, verifier_vocab_size=49152,
                       draft_vocab_size=49152, num_aux=3, norm_before_residual=True)
@@ -264,7 +265,7 @@ def test_no_cpu_compiler_means_eager_loss_with_a_warning(monkeypatch, caplog):
     """A machine without a C++ compiler trains with the eager loss instead of failing after the model load."""
     import logging
     from torch._inductor import cpp_builder
-    from common.trainer import cpu_compiler_found
+    from common.precision import cpu_compiler_found
 
     def missing():
         raise RuntimeError("Failed to find a working C++ compiler")
@@ -286,7 +287,7 @@ class _Payload:
 
 
 def test_a_pickle_payload_planted_in_a_checkpoint_is_refused_unrun(trained, tmp_path):
-    from common.trainer import latest_checkpoint
+    from common.checkpoints import latest_checkpoint
     work = tmp_path / "w"
     shutil.copytree(trained, work)
     ckpt = latest_checkpoint(work / "train" / "checkpoints")
