@@ -36,3 +36,16 @@ def test_conversion_is_deterministic(tmp_path, verifier_dir):
     b = load_file(str(tmp_path / "again" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert resolve_verifier("embedded:smollm2-135m-instruct") == verifier_dir  # cached, not redone
+
+
+def test_dry_runs_read_an_unconverted_models_geometry_from_its_source(verifier_dir):
+    """Stage 2's dry run before the first conversion plans with these (it hard-coded SmolLM2's before)."""
+    from common.models import embedded_text_config, load_verifier_config, mini_kimi_dir
+    keys = ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "vocab_size")
+    converted = load_verifier_config(verifier_dir)
+    planned = embedded_text_config("embedded:smollm2-135m-instruct")
+    assert [getattr(planned, k) for k in keys] == [getattr(converted, k) for k in keys] == [30, 576, 9, 3, 49152]
+    mini = embedded_text_config("embedded:kimi-k2.5-mini")
+    built = load_verifier_config(str(mini_kimi_dir()))
+    assert [getattr(mini, k) for k in keys[:4]] == [getattr(built, k) for k in keys[:4]] == [8, 256, 2, 2]
+    assert mini.model_type == built.model_type == "kimi_k2"
