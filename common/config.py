@@ -52,8 +52,8 @@ OPTIONS = [
         "verifier model: a local HF model dir, an HF id, or embedded:smollm2-135m-instruct"),
     Opt("max_seq_len", int, 2048, "longest sample in tokens (longer ones are truncated, see README)"),
     Opt("seed", int, 0, "random seed (shuffling, splits, sampling, initialisation)"),
-    Opt("dtype", str, "bfloat16", "verifier compute dtype; auto: the model's own on GPUs, bf16 on CPUs with AMX, "
-        "else fp32", choices=("bfloat16", "float16", "float32", "auto")),
+    Opt("dtype", str, "bfloat16", "verifier compute dtype; auto: the model's own on GPUs; on CPUs bf16 where a "
+        "one-second probe (cached per CPU kind) finds bf16 matmuls >= 1.5x fp32, else fp32", choices=("bfloat16", "float16", "float32", "auto")),
     Opt("trust_remote_code", _bool, False, "allow model code from the model dir (Kimi needs it)", flag=True),
     Opt("dry_run", _bool, False, "validate everything, print the plan, write nothing, exit", flag=True),
     Opt("log_interval", float, 30.0, "seconds between progress lines when output is not a terminal"),
@@ -131,7 +131,7 @@ OPTIONS = [
     Opt("parallel", str, "ddp", "several processes (torchrun): ddp replicates the draft, fsdp shards its "
         "trainable weights, gradients and optimizer state", stages="4", choices=("ddp", "fsdp")),
     Opt("amp", str, "auto", "training precision: bf16 autocast with fp32 master weights, or off (fp32); auto: bf16 "
-        "on GPUs and on CPUs with AMX bf16 units (Sapphire Rapids and later)", stages="4", choices=("auto", "bf16", "off")),
+        "on GPUs and on CPUs where --dtype auto picks bf16 (the same probe)", stages="4", choices=("auto", "bf16", "off")),
     Opt("compile", _bool, True, "fused kernels via torch.compile: on GPUs norms/SwiGLU/RoPE and block-sparse flex "
         "attention; on CPUs the loss (needs a C++ compiler, else it runs eager)",
         stages="4", flag=True),

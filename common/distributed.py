@@ -69,3 +69,12 @@ def global_sums(sums, device, world):
     t = torch.stack([torch.as_tensor(sums[k], dtype=torch.float64, device=device) for k in keys])
     dist.all_reduce(t)
     return dict(zip(keys, t.unbind()), batches=sums["batches"] * world)
+
+
+def agreed(flag, device, world):
+    """One answer for every rank (the one all give, else False): each rank may probe its CPU on its own."""
+    if world == 1:
+        return flag
+    t = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())

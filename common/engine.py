@@ -15,21 +15,15 @@ def on_cpu():
     return not torch.cuda.is_available()
 
 
-def cpu_has_amx():
-    try:
-        with open("/proc/cpuinfo") as fh:
-            return "amx_bf16" in fh.read()
-    except OSError:
-        return False
-
-
 def compute_dtype(dtype):
-    """--dtype auto: the model's own dtype on GPUs; on CPUs bf16 where AMX units make it fast (vLLM
-    generation 2.5x fp32 on a 2-core Xeon), fp32 elsewhere (bf16 ran 5x slower than fp32 without AVX-512)."""
+    """--dtype auto: the model's own dtype on GPUs; on CPUs bf16 where this CPU's bf16 matrix products are
+    measured faster (common/precision.py), fp32 elsewhere (vLLM generation: bf16 2.5x fp32 on a 2-core AMX
+    Xeon, 5x slower than fp32 on CPUs without native bf16)."""
     if dtype != "auto":
         return dtype
     if on_cpu():
-        return "bfloat16" if cpu_has_amx() else "float32"
+        from common.precision import cpu_prefers_bf16
+        return "bfloat16" if cpu_prefers_bf16() else "float32"
     return "auto"
 
 

@@ -8,7 +8,7 @@ import torch
 
 from common.checkpoints import gather_states, latest_checkpoint, load_checkpoint, prune_checkpoints, read_state, \
     save_checkpoint
-from common.distributed import all_reduce_sums, global_sums, wrap_parallel
+from common.distributed import agreed, all_reduce_sums, global_sums, wrap_parallel
 from common.draft import compile_loss, optimize_bf16, take_embedding
 from common.errors import UsageError
 from common.log import fmt_duration
@@ -55,7 +55,7 @@ class Trainer:
         self.cfg, self.device, self.folder, self.out, self.log = cfg, device, folder, Path(out_dir), log
         self.rank, self.world = rank, world
         self.train_idx, self.val_idx, self.lengths = train_idx, val_idx, lengths
-        self.bf16 = use_bf16(device, cfg.amp)
+        self.bf16 = agreed(use_bf16(device, cfg.amp), device, world)
         self.dtype = torch.bfloat16 if self.bf16 else torch.float32
         # on GPUs the loader looks the input tokens up in host memory (2.3 GB less GPU memory at Kimi scale)
         self.host_embed = take_embedding(model, self.dtype) if device.type == "cuda" else None
