@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 
 from common.errors import UsageError, run_main
-from common.evaluate import acceptance_row, derived_rows, eval_prompts, run_engine, save_outputs, save_results, vocab_coverage
+from common.evaluate import (acceptance_breakdown, acceptance_row, derived_rows, eval_prompts, prompt_categories, run_engine,
+                             save_outputs, save_results, vocab_coverage)
 from common.io import read_manifest, write_manifest
 from common.models import load_tokenizer, load_verifier_config, resolve_verifier
 from common.stage import ensure_writable, start
@@ -60,7 +61,7 @@ def main():
     if skipped:
         log.info("skipped %d prompts longer than %d tokens", skipped, room)
     t0 = time.time()
-    base_tokens, base_s, _ = run_engine(model_dir, cfg, prompts)
+    base_tokens, base_s, _, _ = run_engine(model_dir, cfg, prompts)
     log.info("baseline (no speculation): %d tokens in %.1fs = %.1f tokens/s", sum(map(len, base_tokens)), base_s,
              sum(map(len, base_tokens)) / base_s)
     coverage = vocab_coverage(work, base_tokens)
@@ -68,17 +69,22 @@ def main():
         log.info("the draft vocab holds %.2f%% of the verifier's output tokens here (a ceiling on acceptance)",
                  100 * coverage)
     rows, outputs = [], {}
+    categories = prompt_categories(cfg.eval_dataset)
     engines = ks if cfg.exact_k_sweep else ks[-1:]  # each engine is a model load (22 min for Kimi-K2.5)
     for k in engines:
         spec = {"method": "eagle3", "model": str(draft.resolve()), "num_speculative_tokens": k}
-        tokens, secs, counters = run_engine(model_dir, cfg, prompts, spec)
+        tokens, secs, counters, steps = run_engine(model_dir, cfg, prompts, spec)
         row = acceptance_row(k, tokens, secs, counters, base_tokens, base_s)
+        row["breakdown"] = acceptance_breakdown(steps, [categories.get(r, "") for r in ids_kept], k)
         rows.append(row)
         outputs[k] = tokens
         log.info("k=%d: acceptance length %.3f, per position %s, draft acceptance rate %.3f, %.1f tokens/s "
                  "(%.2fx baseline), outputs equal baseline %d/%d", k, row["acceptance_length"],
                  row["per_position_acceptance"], row["draft_acceptance_rate"], row["tokens_per_s"], row["speedup"],
                  row["outputs_equal_baseline"], row["prompts"])
+        for key, table in (row["breakdown"] or {}).items():
+            log.info("k=%d %s: %s", k, key.replace("_", " "), ", ".join(
+                f"{name} {v['acceptance_length']:.3f}" for name, v in table.items()))
         if cfg.temperature == 0 and row["outputs_equal_baseline"] != row["prompts"]:
             log.warning("k=%d: %d greedy outputs differ from the verifier's own (numerical near-ties or an engine "
                         "issue)", k, row["prompts"] - row["outputs_equal_baseline"])

@@ -18,7 +18,8 @@ def geometry(cfg, text_cfg, draft_vocab, num_aux):
         rms_norm_eps=getattr(text_cfg, "rms_norm_eps", 1e-6), rope_theta=float(rope_theta),
         max_position_embeddings=getattr(text_cfg, "max_position_embeddings", 4096),
         verifier_vocab_size=text_cfg.vocab_size, draft_vocab_size=draft_vocab, num_aux=num_aux,
-        norm_before_residual=cfg.norm_before_residual)
+        norm_before_residual=cfg.norm_before_residual, norm_before_fc=cfg.draft_norms == "norm-before-fc",
+        fc_norm=cfg.draft_norms == "fc-norm", norm_output=cfg.draft_norms != "eagle3")
     if g.num_heads % g.num_kv_heads:
         raise UsageError(f"draft heads {g.num_heads} must be a multiple of draft KV heads {g.num_kv_heads}")
     return g

