@@ -68,7 +68,7 @@ def main():
         convs, regen_stats = regenerate(convs, tok, cfg, model_dir, out, log)
         if cfg.keep_original_answers:  # appended: the regenerated samples keep their indices
             convs = convs + [(f"{ref}#original", msgs) for ref, msgs in originals]
-    records, tok_skips, truncated = tokenize_all(convs, tok, cfg, log)
+    records, tok_skips, truncated, own_ids = tokenize_all(convs, tok, cfg, log)
     skips.update(tok_skips)
     if not records:
         raise UsageError(f"no sample kept (dropped: {dict(skips)}); check --max-seq-len and the dataset")
@@ -87,7 +87,7 @@ def main():
         params.update({k: cfg[k] for k in ("temperature", "max_new_tokens", "repetition_penalty",
                                            "drop_capped_answers", "drop_reasoning", "keep_original_answers")})
     write_manifest(out, "prepare", params, tokenizer=tokenizer_identity(tok), source=describe_source(cfg.dataset),
-                   counts=stats, regeneration=regen_stats, timings={"total_seconds": round(time.time() - t0, 1)},
+                   counts=stats, regeneration=regen_stats and dict(regen_stats, **own_ids), timings={"total_seconds": round(time.time() - t0, 1)},
                    outputs={"tokenized_data": data_path.name, "tokenized_data_sha256": sha256_file(data_path)})
     log.info("kept %d samples: %d tokens, %d assistant tokens (%.1f%%), %d unique assistant tokens, "
              "%d truncated; dropped %s; %.1fs", stats["samples"], stats["total_tokens"], stats["assistant_tokens"],

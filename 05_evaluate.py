@@ -68,7 +68,7 @@ def main():
     if coverage is not None:
         log.info("the draft vocab holds %.2f%% of the verifier's output tokens here (a ceiling on acceptance)",
                  100 * coverage)
-    rows, outputs = [], {}
+    rows, outputs, steps_by_k = [], {}, {}
     categories = prompt_categories(cfg.eval_dataset)
     engines = ks if cfg.exact_k_sweep else ks[-1:]  # each engine is a model load (22 min for Kimi-K2.5)
     for k in engines:
@@ -77,7 +77,7 @@ def main():
         row = acceptance_row(k, tokens, secs, counters, base_tokens, base_s)
         row["breakdown"] = acceptance_breakdown(steps, [categories.get(r, "") for r in ids_kept], k)
         rows.append(row)
-        outputs[k] = tokens
+        outputs[k], steps_by_k[k] = tokens, steps
         log.info("k=%d: acceptance length %.3f, per position %s, draft acceptance rate %.3f, %.1f tokens/s "
                  "(%.2fx baseline), outputs equal baseline %d/%d", k, row["acceptance_length"],
                  row["per_position_acceptance"], row["draft_acceptance_rate"], row["tokens_per_s"], row["speedup"],
@@ -99,7 +99,7 @@ def main():
             "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "draft": str(draft),
             "draft_vocab_coverage": coverage}
     save_results(out, rows, meta)
-    save_outputs(out / "outputs.jsonl", ids_kept, base_tokens, outputs, tok)
+    save_outputs(out / "outputs.jsonl", ids_kept, base_tokens, outputs, tok, steps_by_k)
     write_manifest(out, "evaluate", {k: cfg[k] for k in ("eval_dataset", "eval_limit", "num_speculative_tokens",
                                                          "max_new_tokens", "temperature", "exact_k_sweep")},
                    results=rows, timings={"total_seconds": round(time.time() - t0, 1)})

@@ -195,16 +195,18 @@ def first_difference(a, b):
     return None if a == b else n
 
 
-def save_outputs(path, refs, base_tokens, outputs, tok):
-    """One line per prompt: its id, the verifier's answer (text and ids), and per k the speculative output's ids
-    and where it first differs from the verifier's."""
+def save_outputs(path, refs, base_tokens, outputs, tok, steps=None):
+    """One line per prompt: its id, the verifier's answer (text and ids), and per k the speculative output's ids,
+    where it first differs from the verifier's and vLLM's accepted drafts per verify step (in order)."""
     import json
+    steps = steps or {}
     with open(path, "w") as fh:
         for i, (ref, base) in enumerate(zip(refs, base_tokens)):
             diff = {f"k{k}_first_difference": first_difference(toks[i], base) for k, toks in outputs.items()}
             ids = {f"k{k}_ids": toks[i] for k, toks in outputs.items()}
+            per_step = {f"k{k}_accepted_per_step": st[i] for k, st in steps.items() if st and st[i] is not None}
             fh.write(json.dumps({"id": ref, "baseline": tok.decode(base), "baseline_tokens": len(base), **diff,
-                                 "baseline_ids": base, **ids}) + "\n")
+                                 "baseline_ids": base, **ids, **per_step}) + "\n")
 
 
 def save_results(out_dir, rows, meta):

@@ -57,7 +57,7 @@ def regen_key(cfg, model_id, convs):
     return h.hexdigest()[:16]
 
 
-def _chunk_round(llm, tok, cfg, chunk, answers, finishes, turn, offset):
+def _chunk_round(llm, tok, cfg, chunk, answers, finishes, token_ids, turn, offset):
     """Generate the `turn`-th assistant answer of every conversation in the chunk that has one."""
     from vllm import SamplingParams
 
@@ -85,6 +85,7 @@ def _chunk_round(llm, tok, cfg, chunk, answers, finishes, turn, offset):
             text = THINK_RE.sub("", text)
         answers[j].append(text)
         finishes[j].append(out.outputs[0].finish_reason)
+        token_ids[j] = list(out.outputs[0].token_ids)  # the last turn's: what the verifier wrote, id for id
     return sum(len(o.outputs[0].token_ids) for o in outs)
 
 
@@ -124,13 +125,14 @@ def regenerate(convs, tok, cfg, model_dir, out_dir, log):
         prog = Progress(len(todo), "regenerate", unit="chunks", interval=cfg.log_interval, extra_unit="tokens")
         for c in todo:
             chunk = chunks[c]
-            answers, finishes = [[] for _ in chunk], [[] for _ in chunk]
+            answers, finishes, token_ids = [[] for _ in chunk], [[] for _ in chunk], [None] * len(chunk)
             turns = max(sum(m["role"] == "user" for m in msgs) for _, msgs in chunk)
-            n = sum(_chunk_round(llm, tok, cfg, chunk, answers, finishes, t, c * size) for t in range(turns))
+            n = sum(_chunk_round(llm, tok, cfg, chunk, answers, finishes, token_ids, t, c * size)
+                    for t in range(turns))
             gen_tokens += n
             with atomic_path(folder / f"chunk_{c:05d}.jsonl") as tmp:
-                tmp.write_text("".join(json.dumps({"id": ref, "answers": a, "finish": f}) + "\n"
-                                       for (ref, _), a, f in zip(chunk, answers, finishes)))
+                tmp.write_text("".join(json.dumps({"id": ref, "answers": a, "finish": f, "last_answer_ids": ids}) + "\n"
+                                       for (ref, _), a, f, ids in zip(chunk, answers, finishes, token_ids)))
             prog.update(1, extra=n)
         prog.close()
         del llm
@@ -157,13 +159,28 @@ def _apply_regenerated(convs, folder, n_chunks, cfg):
         new = _with_answers(msgs, row["answers"])
         if not new or new[-1]["role"] != "assistant":
             new = "prompt_too_long" if "too_long" in row["finish"] else "regeneration_empty"
+        elif row.get("last_answer_ids") and not cfg.drop_reasoning and sum(m["role"] == "assistant" for m in new) == 1:
+            new[-1]["token_ids"] = row["last_answer_ids"]  # single-turn: the sample keeps the verifier's own ids
         out.append((ref, new))
     return out, finish
 
 
+def verifier_sample(tok, msgs, max_seq_len):
+    """A single-turn regenerated conversation as the verifier produced it: the prompt as it was rendered for
+    generation, then the answer's own token ids (ending in its end-of-turn token where it stopped; none after
+    a capped answer, whose continuation is unknown). Re-tokenizing the answer's text can split it otherwise
+    ("I" + "CS" written, "ICS" re-tokenized), and vLLM then serves token sequences training never saw.
+    -> (ids, mask)."""
+    prompt = list(tok.apply_chat_template([{k: m[k] for k in ("role", "content")} for m in msgs[:-1]],
+                                          add_generation_prompt=True, tokenize=True, return_dict=False))
+    ids = (prompt + list(msgs[-1]["token_ids"]))[:max_seq_len]
+    return ids, [0] * len(prompt) + [1] * (len(ids) - len(prompt))
+
+
 def tokenize_all(convs, tok, cfg, log):
-    """-> (records, skip Counter, stats)."""
+    """-> (records, skip Counter, truncated count, counts of answers kept as the verifier's token ids)."""
     records, skips, truncated = [], Counter(), 0
+    own = {"answers_as_verifier_token_ids": 0, "of_which_retokenize_differently": 0}
     prog = Progress(len(convs), "tokenize", interval=cfg.log_interval)
     for ref, msgs in convs:
         prog.update()
@@ -171,14 +188,23 @@ def tokenize_all(convs, tok, cfg, log):
             skips[msgs] += 1
             continue
         try:
-            ids, mask, was_truncated = tokenize_conversation(tok, msgs, cfg.max_seq_len)
+            ids, mask, was_truncated = tokenize_conversation(
+                tok, [{k: m[k] for k in ("role", "content")} for m in msgs], cfg.max_seq_len)
         except Skip as s:
             skips[s.reason] += 1
             continue
+        if "token_ids" in msgs[-1]:
+            own["answers_as_verifier_token_ids"] += 1
+            text_ids = ids
+            ids, mask = verifier_sample(tok, msgs, cfg.max_seq_len)
+            own["of_which_retokenize_differently"] += text_ids[:len(ids)] != ids
         truncated += was_truncated
         records.append({"id": ref, "input_ids": ids, "loss_mask": mask})
     prog.close()
-    return records, skips, truncated
+    if own["answers_as_verifier_token_ids"]:
+        log.info("regenerated single-turn answers kept as the verifier's own token ids: %d (%d of them "
+                 "re-tokenize differently from their text)", *own.values())
+    return records, skips, truncated, own
 
 
 def token_stats(records):

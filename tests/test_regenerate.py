@@ -26,13 +26,18 @@ def test_regenerated_answers_equal_hf_greedy(tmp_path, verifier_dir, tokenizer):
     answers = [a for c in chunks for line in c.read_text().splitlines() for a in json.loads(line)["answers"]]
 
     model = AutoModelForCausalLM.from_pretrained(verifier_dir, dtype=torch.float32).eval()
-    for q, got in zip(QUESTIONS, answers):
+    samples = [json.loads(l) for l in (out / "tokenized_data.jsonl").read_text().splitlines()]
+    for q, got, sample in zip(QUESTIONS, answers, samples):
         ids = tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                             return_tensors="pt", return_dict=True)["input_ids"]
         with torch.no_grad():
             gen = model.generate(ids, max_new_tokens=24, do_sample=False)
         want = tokenizer.decode(gen[0, ids.shape[1]:], skip_special_tokens=True)
         assert got == want, (q, got, want)
+        # the sample holds the verifier's own ids (its end-of-turn token where it stopped), not a re-tokenization
+        prompt, answer = ids[0].tolist(), gen[0, ids.shape[1]:].tolist()
+        assert sample["input_ids"] == prompt + answer and sample["loss_mask"] == [0] * len(prompt) + [1] * len(answer)
+    assert man["regeneration"]["answers_as_verifier_token_ids"] == 5
     rows = [json.loads(l) for l in (out / "tokenized_data.jsonl").read_text().splitlines()]
     first = tokenizer.decode([t for t, m in zip(rows[0]["input_ids"], rows[0]["loss_mask"]) if m])
     assert first.startswith(answers[0])  # the training sample carries the regenerated answer
