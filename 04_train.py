@@ -141,10 +141,10 @@ def main():
         load_weights(src, model)
     plot_curves(trainer.metrics_path, out / "curves.png", cfg.ttt_steps)
     return finish(cfg, log, model, g, layer_ids, model_dir, text_cfg, state, final_val, out, time.time() - t0,
-                  len(train_idx), len(val_idx))
+                  len(train_idx), val_idx)
 
 
-def finish(cfg, log, model, g, layer_ids, model_dir, text_cfg, state, val_rows, out, seconds, n_train, n_val):
+def finish(cfg, log, model, g, layer_ids, model_dir, text_cfg, state, val_rows, out, seconds, n_train, val_idx):
     final = Path(cfg.work_dir) / "final_draft"
     best_val = max(val_rows, key=lambda r: r["acceptance_length"]) if val_rows else None
     meta = {"layer_ids": layer_ids, "layer_convention": "vllm (id k enters decoder layer k; final id N pre-norm)",
@@ -160,11 +160,12 @@ def finish(cfg, log, model, g, layer_ids, model_dir, text_cfg, state, val_rows, 
                                   "weight_decay", "grad_clip", "grad_accum", "max_tokens_per_step", "seed",
                                   "val_fraction", "export_format", "hidden_noise", "train_lm_head")}
     write_manifest(out, "train", dict(params, layer_ids=layer_ids, geometry=g.to_dict()),
-                   counts={"train_samples": n_train, "val_samples": n_val, "steps": state["step"],
+                   counts={"train_samples": n_train, "val_samples": len(val_idx), "steps": state["step"],
                            "tokens": state["tokens"]},
                    timings={"train_seconds_this_run": round(seconds, 1),
                             "tokens_per_s": round(state["tokens"] / max(state["train_seconds"], 1e-9), 1)},
-                   best_validation=best_val, final_draft=str(final), exported_shapes=shapes)
+                   best_validation=best_val, validation_samples=list(val_idx),  # for 05 --eval-dataset validation
+                   final_draft=str(final), exported_shapes=shapes)
     if best_val:
         k = cfg.ttt_steps
         log.info("best validation: full acc %s, cond acc %s, simulated acceptance length %.3f",

@@ -20,10 +20,26 @@ from common.models import load_tokenizer, load_verifier_config, resolve_verifier
 from common.stage import ensure_writable, start
 
 
+def compare_with_training(rows, best, log):
+    """On the held-out samples: vLLM's acceptance beside stage 4's simulated one (the exported checkpoint's)."""
+    full = [best[f"full_acc_{i}"] for i in range(len([k for k in best if k.startswith("full_acc_")]))]
+    for row in rows:
+        k = row["num_speculative_tokens"]
+        if k > len(full):
+            continue
+        simulated = 1 + sum(full[:k])
+        row["trainer_simulated_acceptance_length"] = round(simulated, 4)
+        row["trainer_full_accuracy"] = [round(x, 4) for x in full[:k]]
+        gap = row["acceptance_length"] / simulated - 1
+        log.info("k=%d on the validation samples: vLLM acceptance length %.3f vs training's simulated %.3f (%+.1f%%); "
+                 "per position %s vs %s", k, row["acceptance_length"], simulated, 100 * gap,
+                 row["per_position_acceptance"], row["trainer_full_accuracy"])
+
+
 def main():
     cfg, log = start(5, "05_evaluate", __doc__)
     work = Path(cfg.work_dir)
-    read_manifest(work / "train", "train", "04_train.py")
+    train_man = read_manifest(work / "train", "train", "04_train.py")
     draft = work / "final_draft"
     if not (draft / "config.json").is_file() or not (draft / "model.safetensors").is_file():
         raise UsageError(f"{draft} has no exported draft; re-run 04_train.py")
@@ -95,6 +111,8 @@ def main():
                      row["per_position_acceptance"])
             rows.append(row)
         rows.sort(key=lambda r: r["num_speculative_tokens"])
+    if cfg.eval_dataset == "validation" and train_man.get("best_validation"):
+        compare_with_training(rows, train_man["best_validation"], log)
     meta = {"eval_dataset": cfg.eval_dataset, "prompts": len(prompts), "skipped_long_prompts": skipped,
             "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "draft": str(draft),
             "draft_vocab_coverage": coverage}

@@ -8,10 +8,18 @@ from common.sources import iter_jsonl, mtbench_questions
 
 def eval_prompts(spec, limit, work_dir=None):
     """-> [(id, messages or prompt token ids)]: MT-bench first turns (packaged), 'prepared' (this run's
-    own prompts, in-distribution), or a JSONL of prompts/conversations."""
-    if spec == "prepared":
+    own prompts, in-distribution), 'validation' (the prompts of the samples stage 4 held out: its simulated
+    acceptance length was measured on them), or a JSONL of prompts/conversations."""
+    if spec in ("prepared", "validation"):
+        from common.io import read_manifest
         from common.prepare import load_prepared
         _, records = load_prepared(work_dir)
+        if spec == "validation":
+            held = read_manifest(Path(work_dir) / "train", "train", "04_train.py").get("validation_samples")
+            if not held:
+                raise UsageError(f"{work_dir}/train/manifest.json lists no validation samples (--val-fraction 0, or "
+                                 f"trained by an older eagle3-train); use --eval-dataset prepared")
+            records = [records[i] for i in held]
         items = [(r["id"], r["input_ids"][:r["loss_mask"].index(1)]) for r in records]
     elif spec == "mtbench":
         items = [(qid, [{"role": "user", "content": turns[0]}]) for qid, turns, _ in mtbench_questions()]

@@ -70,8 +70,9 @@ def single(extracted, tmp_path_factory):
     return get
 
 
-# FSDP also trains the lm_head (--train-lm-head): its gradients, sharded state, checkpoints and resume
-@pytest.mark.parametrize("parallel,extra", [("ddp", ()), ("fsdp", ("--train-lm-head",))])
+# FSDP also trains the lm_head (--train-lm-head) and EAGLE-3.1's per-layer fc norms: their gradients, sharded
+# state, checkpoints and resume
+@pytest.mark.parametrize("parallel,extra", [("ddp", ()), ("fsdp", ("--train-lm-head", "--draft-norms", "fc-norm"))])
 def test_torchrun_two_ranks_matches_accumulation(extracted, single, tmp_path, parallel, extra):
     ref = single(*extra)
     work = make_work(extracted, tmp_path / parallel)
@@ -79,7 +80,8 @@ def test_torchrun_two_ranks_matches_accumulation(extracted, single, tmp_path, pa
     last = last_step(ref)
     assert last_step(work) == last >= 2
     a, b = weights(ref, last), weights(work, last)
-    assert sorted(a) == sorted(b) and len(a) == 12 + bool(extra) and ("lm_head.weight" in a) == bool(extra)
+    assert sorted(a) == sorted(b) and len(a) == 12 + 4 * bool(extra) and ("lm_head.weight" in a) == bool(extra)
+    assert ("fc_norm.2.weight" in a) == bool(extra)
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
     # the log shows the global batch's loss (all ranks), not rank 0's half of it

@@ -123,6 +123,7 @@ def predicted_accepts(work, model, d2t, index, tokens):
     """row -> leading right TTT predictions (0..K) of the draft at that row of sample `index`."""
     from common.train_data import PackedDataset
     b = PackedDataset(work / "hidden_states", [[index]], 4096)[0]
+    b = {k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in b.items()}
     with torch.no_grad():
         logits = model.unroll(b["aux"], b["ids"], b["pos"], b["doc"], b["docs"], K)
     tokens = torch.as_tensor(tokens)
