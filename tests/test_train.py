@@ -56,36 +56,35 @@ def test_overfits_a_few_samples(trained):
     assert weights["lm_head.weight"].shape == (1024, 576) and "layers.0.self_attn.q_proj.weight" in weights
 
 
-def test_speculators_loads_checkpoint_and_computes_same_outputs(trained):
-    """speculators' own Eagle3DraftModel, given our exported folder, predicts the same tokens and loss."""
-    from speculators.losses import resolve_loss_config
+def speculators_model(draft_dir):
+    """speculators' own Eagle3DraftModel from our exported folder, fp32, with the verifier's embeddings."""
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
-
-    from common.draft import DraftGeometry, take_embedding, ttt_loss
-    from common.train_data import PackedDataset
-    from common.build_draft import build_model
-    conf = Eagle3SpeculatorConfig.from_pretrained(str(trained / "final_draft"))
+    conf = Eagle3SpeculatorConfig.from_pretrained(str(draft_dir))
     conf.transformer_layer_config._attn_implementation = "sdpa"  # its flex attention default is GPU-only
-    ref = Eagle3DraftModel.from_pretrained(str(trained / "final_draft"), config=conf)
+    ref = Eagle3DraftModel.from_pretrained(str(draft_dir), config=conf)
     # embeddings are not in the draft checkpoint (vLLM shares the verifier's); HF init left them zero, not NaN
     ref._load_verifier_weights(overwrite_embed_tokens=True)
-    ref = ref.float().eval()
-    batch = PackedDataset(trained / "hidden_states", [[0]], 4096)[0]
-    batch = {k: (v.float() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in batch.items()}
+    return ref.float().eval()
+
+
+def float_batch(folder, embed=None):
+    from common.train_data import PackedDataset
+    batch = PackedDataset(folder, [[0]], 4096, embed=embed)[0]
+    return {k: (v.float() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in batch.items()}
+
+
+def same_as_speculators(ref, ours, batch):
+    """Both models on one packed sample: the same draft tokens at every TTT step and the same loss; -> our logits."""
+    from speculators.losses import resolve_loss_config
+
+    from common.draft import ttt_loss
+    ours.eval()
     with torch.no_grad():
         draft_tokens, ref_loss, _ = ref(
             hidden_states=batch["aux"][None], input_ids=batch["ids"][None], document_ids=batch["doc"][None],
             loss_mask=batch["loss_mask"][None].bool(), position_ids=batch["pos"][None],
             verifier_last_hidden_states=batch["target_hidden"][None], ttt_steps=3, ttt_step_loss_decay=0.8,
             loss_config=resolve_loss_config("kl_div", "eager"))
-    # ours, from the same exported weights
-    man = json.loads((trained / "train" / "manifest.json").read_text())
-    ours = build_model(DraftGeometry(**man["params"]["geometry"]), ref.config.speculators_config.verifier.name_or_path,
-                       target_ids(trained))
-    exported = load_file(str(trained / "final_draft" / "model.safetensors"))
-    ours.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in exported.items()}, strict=False)
-    ours.eval()
-    with torch.no_grad():
         logits = ours.unroll(batch["aux"], batch["ids"], batch["pos"], batch["doc"], batch["docs"], 3)
         our_loss, _ = ttt_loss(ours, batch, 3, 0.8)
     for k in range(3):
@@ -93,6 +92,23 @@ def test_speculators_loads_checkpoint_and_computes_same_outputs(trained):
         agree = (logits[k].argmax(-1)[:n] == draft_tokens[k][0][:n]).float().mean().item()
         assert agree > 0.99, (k, agree)
     torch.testing.assert_close(our_loss, ref_loss, rtol=2e-3, atol=2e-3)
+    return logits, our_loss
+
+
+def test_speculators_loads_checkpoint_and_computes_same_outputs(trained):
+    """speculators' own Eagle3DraftModel, given our exported folder, predicts the same tokens and loss."""
+    from common.build_draft import build_model
+    from common.draft import DraftGeometry, take_embedding, ttt_loss
+    from common.train_data import PackedDataset
+    ref = speculators_model(trained / "final_draft")
+    batch = float_batch(trained / "hidden_states")
+    # ours, from the same exported weights
+    man = json.loads((trained / "train" / "manifest.json").read_text())
+    ours = build_model(DraftGeometry(**man["params"]["geometry"]), ref.config.speculators_config.verifier.name_or_path,
+                       target_ids(trained))
+    exported = load_file(str(trained / "final_draft" / "model.safetensors"))
+    ours.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in exported.items()}, strict=False)
+    _, our_loss = same_as_speculators(ref, ours, batch)
     # the GPU path: embedding taken out of the model, the loader looks the tokens up on the host
     table = ours.embed_tokens.weight.detach().clone()
     host = PackedDataset(trained / "hidden_states", [[0]], 4096, embed=take_embedding(ours, torch.float32))[0]
@@ -337,14 +353,9 @@ def test_eagle31_norms_compute_what_speculators_computes(extracted, verifier_dir
     from types import SimpleNamespace
 
     import numpy as np
-    from speculators.losses import resolve_loss_config
-    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
-
     from common.build_draft import build_model, geometry
-    from common.draft import ttt_loss
     from common.export import export_draft
     from common.models import load_verifier_config
-    from common.train_data import PackedDataset
     text_cfg = load_verifier_config(verifier_dir)
     cfg = SimpleNamespace(draft_num_heads=0, draft_num_kv_heads=0, draft_head_dim=0, draft_intermediate_size=256,
                           norm_before_residual=True, draft_norms=norms)
@@ -363,26 +374,8 @@ def test_eagle31_norms_compute_what_speculators_computes(extracted, verifier_dir
     saved = json.loads((tmp_path / "d" / "config.json").read_text())
     assert (saved["norm_before_fc"], saved["fc_norm"], saved["norm_output"]) == (g.norm_before_fc, g.fc_norm, True)
     ours.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in exported.items()}, strict=False)
-    conf = Eagle3SpeculatorConfig.from_pretrained(str(tmp_path / "d"))
-    conf.transformer_layer_config._attn_implementation = "sdpa"
-    ref = Eagle3DraftModel.from_pretrained(str(tmp_path / "d"), config=conf)
-    ref._load_verifier_weights(overwrite_embed_tokens=True)
-    ref, ours = ref.float().eval(), ours.eval()
-    batch = PackedDataset(extracted / "hidden_states", [[0]], 4096)[0]
-    batch = {k: (v.float() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in batch.items()}
-    with torch.no_grad():
-        draft_tokens, ref_loss, _ = ref(
-            hidden_states=batch["aux"][None], input_ids=batch["ids"][None], document_ids=batch["doc"][None],
-            loss_mask=batch["loss_mask"][None].bool(), position_ids=batch["pos"][None],
-            verifier_last_hidden_states=batch["target_hidden"][None], ttt_steps=3, ttt_step_loss_decay=0.8,
-            loss_config=resolve_loss_config("kl_div", "eager"))
-        logits = ours.unroll(batch["aux"], batch["ids"], batch["pos"], batch["doc"], batch["docs"], 3)
-        our_loss, _ = ttt_loss(ours, batch, 3, 0.8)
-    for k in range(3):
-        n = len(batch["ids"]) - k
-        agree = (logits[k].argmax(-1)[:n] == draft_tokens[k][0][:n]).float().mean().item()
-        assert agree > 0.99, (k, agree)
-    torch.testing.assert_close(our_loss, ref_loss, rtol=2e-3, atol=2e-3)
+    batch = float_batch(extracted / "hidden_states")
+    logits, _ = same_as_speculators(speculators_model(tmp_path / "d"), ours, batch)
     # the same draft without its norm_output: step 0 unchanged, later steps differ (the flag is live)
     ours.g.norm_output = False
     with torch.no_grad():
