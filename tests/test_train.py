@@ -126,7 +126,7 @@ def target_ids(work):
 
 def test_evaluate_on_the_validation_samples_puts_vllm_beside_training(trained):
     proc = run_script("05_evaluate.py", "--work-dir", trained, "--eval-dataset", "validation", "--max-new-tokens", 24,
-                      "--dtype", "float32", "--max-seq-len", 192, "--num-speculative-tokens", 2, 3, check=True)
+                      "--dtype", "float32", "--max-seq-len", 192, "--num-speculative-tokens", "2,3", check=True)
     man = json.loads((trained / "train" / "manifest.json").read_text())
     rows = json.loads((trained / "eval" / "acceptance.json").read_text())["results"]
     assert 1 <= rows[0]["prompts"] <= len(man["validation_samples"]) == man["counts"]["val_samples"]
