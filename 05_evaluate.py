@@ -13,27 +13,11 @@ import time
 from pathlib import Path
 
 from common.errors import UsageError, run_main
-from common.evaluate import (acceptance_breakdown, acceptance_row, derived_rows, eval_prompts, prompt_categories, run_engine,
-                             save_outputs, save_results, vocab_coverage)
+from common.evaluate import (acceptance_breakdown, acceptance_row, compare_with_training, derived_rows, eval_prompts,
+                             prompt_categories, run_engine, save_outputs, save_results, vocab_coverage)
 from common.io import read_manifest, write_manifest
 from common.models import load_tokenizer, load_verifier_config, resolve_verifier
 from common.stage import ensure_writable, start
-
-
-def compare_with_training(rows, best, log):
-    """On the held-out samples: vLLM's acceptance beside stage 4's simulated one (the exported checkpoint's)."""
-    full = [best[f"full_acc_{i}"] for i in range(len([k for k in best if k.startswith("full_acc_")]))]
-    for row in rows:
-        k = row["num_speculative_tokens"]
-        if k > len(full):
-            continue
-        simulated = 1 + sum(full[:k])
-        row["trainer_simulated_acceptance_length"] = round(simulated, 4)
-        row["trainer_full_accuracy"] = [round(x, 4) for x in full[:k]]
-        gap = row["acceptance_length"] / simulated - 1
-        log.info("k=%d on the validation samples: vLLM acceptance length %.3f vs training's simulated %.3f (%+.1f%%); "
-                 "per position %s vs %s", k, row["acceptance_length"], simulated, 100 * gap,
-                 row["per_position_acceptance"], row["trainer_full_accuracy"])
 
 
 def main():

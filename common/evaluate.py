@@ -140,6 +140,22 @@ def acceptance_row(k, tokens, seconds, counters, base_tokens, base_seconds):
             "outputs_equal_baseline": sum(a == b for a, b in zip(tokens, base_tokens)), "prompts": len(tokens)}
 
 
+def compare_with_training(rows, best, log):
+    """On the held-out samples: vLLM's acceptance beside stage 4's simulated one (the exported checkpoint's)."""
+    full = [best[f"full_acc_{i}"] for i in range(sum(k.startswith("full_acc_") for k in best))]
+    for row in rows:
+        k = row["num_speculative_tokens"]
+        if k > len(full):
+            continue
+        simulated = 1 + sum(full[:k])
+        row["trainer_simulated_acceptance_length"] = round(simulated, 4)
+        row["trainer_full_accuracy"] = [round(x, 4) for x in full[:k]]
+        gap = row["acceptance_length"] / simulated - 1
+        log.info("k=%d on the validation samples: vLLM acceptance length %.3f vs training's simulated %.3f (%+.1f%%); "
+                 "per position %s vs %s", k, row["acceptance_length"], simulated, 100 * gap,
+                 row["per_position_acceptance"], row["trainer_full_accuracy"])
+
+
 def derived_rows(row, ks):
     """Acceptance at each smaller k from one run at the largest k: a round at k drafts the same first k
     tokens as at K, so P(first i drafts accepted) is read off K's per-position counts. Approximate: the
