@@ -12,7 +12,7 @@ from pathlib import Path
 from common.errors import UsageError, run_main
 from common.io import atomic_path, check_free_disk, sha256_file, sha256_text, write_manifest
 from common.models import load_tokenizer, load_verifier_config, resolve_verifier, tokenizer_identity
-from common.prepare import regenerate, select_conversations, token_stats, tokenize_all
+from common.prepare import DATASET_ANSWER, regenerate, select_conversations, token_stats, tokenize_all
 from common.sources import check_source, describe_source
 from common.stage import ensure_writable, start
 
@@ -67,7 +67,7 @@ def main():
         originals = convs
         convs, regen_stats = regenerate(convs, tok, cfg, model_dir, out, log)
         if cfg.keep_original_answers:  # appended: the regenerated samples keep their indices
-            convs = convs + [(f"{ref}#original", msgs) for ref, msgs in originals]
+            convs = convs + [(f"{ref}{DATASET_ANSWER}", msgs) for ref, msgs in originals]
     records, tok_skips, truncated, own_ids = tokenize_all(convs, tok, cfg, log)
     skips.update(tok_skips)
     if not records:

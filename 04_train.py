@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from common.errors import UsageError, run_main
 from common.export import compare_with_reference, export_draft, serve_command
-from common.prepare import load_prepared
+from common.prepare import load_prepared, validation_groups
 from common.io import read_manifest, write_manifest
 from common.models import load_verifier_config, resolve_verifier
 from common.stage import ensure_writable, start
@@ -119,7 +119,8 @@ def main():
     ensure_writable(out)
     target_ids = None if full else np.load(Path(cfg.work_dir) / "vocab" / "d2t.npy") + np.arange(draft_vocab)
     model = build_model(g, model_dir, target_ids, train_head=cfg.train_lm_head)
-    trainer = Trainer(cfg, model, device, hs_dir, train_idx, val_idx, lengths, out, log, rank, world)
+    groups = validation_groups(records, val_idx, prep_man["params"].get("regenerate", False))
+    trainer = Trainer(cfg, model, device, hs_dir, train_idx, val_idx, lengths, out, log, rank, world, groups)
     trainer.resume()
     t0 = time.time()
     state = trainer.train()

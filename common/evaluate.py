@@ -141,19 +141,29 @@ def acceptance_row(k, tokens, seconds, counters, base_tokens, base_seconds):
 
 
 def compare_with_training(rows, best, log):
-    """On the held-out samples: vLLM's acceptance beside stage 4's simulated one (the exported checkpoint's)."""
-    full = [best[f"full_acc_{i}"] for i in range(sum(k.startswith("full_acc_") for k in best))]
+    """On the held-out samples: vLLM's acceptance beside stage 4's simulated one (the exported checkpoint's),
+    overall and on the samples that hold the verifier's own answers (with --keep-original-answers the others
+    hold the dataset's, which vLLM never serves: the verifier answers those prompts its own way)."""
+    def full_acc(v):
+        return [v[f"full_acc_{i}"] for i in range(sum(key.startswith("full_acc_") for key in v))]
+    own = (best.get("groups") or {}).get("verifier answers")
     for row in rows:
         k = row["num_speculative_tokens"]
+        full = full_acc(best)
         if k > len(full):
             continue
         simulated = 1 + sum(full[:k])
         row["trainer_simulated_acceptance_length"] = round(simulated, 4)
         row["trainer_full_accuracy"] = [round(x, 4) for x in full[:k]]
-        gap = row["acceptance_length"] / simulated - 1
-        log.info("k=%d on the validation samples: vLLM acceptance length %.3f vs training's simulated %.3f (%+.1f%%); "
-                 "per position %s vs %s", k, row["acceptance_length"], simulated, 100 * gap,
-                 row["per_position_acceptance"], row["trainer_full_accuracy"])
+        line = (f"k={k} on the validation samples: vLLM acceptance length {row['acceptance_length']:.3f} vs training's "
+                f"simulated {simulated:.3f} ({100 * (row['acceptance_length'] / simulated - 1):+.1f}%)")
+        if own:
+            own_sim = 1 + sum(full_acc(own)[:k])
+            row["trainer_simulated_on_verifier_answers"] = round(own_sim, 4)
+            row["trainer_full_accuracy_on_verifier_answers"] = [round(x, 4) for x in full_acc(own)[:k]]
+            line += (f", {own_sim:.3f} on the samples holding the verifier's own answers "
+                     f"({100 * (row['acceptance_length'] / own_sim - 1):+.1f}%)")
+        log.info("%s; per position %s vs %s", line, row["per_position_acceptance"], row["trainer_full_accuracy"])
 
 
 def derived_rows(row, ks):

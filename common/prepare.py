@@ -13,6 +13,8 @@ from common.io import atomic_path, read_manifest, sha256_file
 from common.log import Progress
 from common.sources import iter_records
 
+# --keep-original-answers: the id of a conversation kept with the dataset's own answer (beside its regenerated twin)
+DATASET_ANSWER = "#original"
 THINK_RE = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
 
 
@@ -228,3 +230,14 @@ def load_prepared(work_dir):
         raise UsageError(f"{path} changed after its manifest was written; re-run 01_prepare_dataset.py")
     records = [json.loads(line) for line in path.read_text().splitlines()]
     return man, records
+
+
+def validation_groups(records, val_idx, regenerated):
+    """Held-out samples by whose answer they hold: the verifier's own (regenerated; what serving sees, so their
+    simulated acceptance is the one vLLM should reproduce) or the dataset's. None unless both are present."""
+    groups = {"verifier answers": [], "dataset answers": []}
+    for i in val_idx:
+        own = regenerated and not records[i]["id"].endswith(DATASET_ANSWER)
+        groups["verifier answers" if own else "dataset answers"].append(i)
+    return groups if all(groups.values()) else None
+

@@ -51,7 +51,8 @@ def plan_epochs(train_idx, lengths, cfg, world):
 
 
 class Trainer:
-    def __init__(self, cfg, model, device, folder, train_idx, val_idx, lengths, out_dir, log, rank=0, world=1):
+    def __init__(self, cfg, model, device, folder, train_idx, val_idx, lengths, out_dir, log, rank=0, world=1,
+                 val_groups=None):
         self.cfg, self.device, self.folder, self.out, self.log = cfg, device, folder, Path(out_dir), log
         self.rank, self.world = rank, world
         self.train_idx, self.val_idx, self.lengths = train_idx, val_idx, lengths
@@ -75,7 +76,9 @@ class Trainer:
         if cfg.max_steps:
             self.total_steps = min(self.total_steps, cfg.max_steps)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg.warmup_steps, self.total_steps))
-        self.val_bins = pack(val_idx, lengths, cfg.max_tokens_per_step, cfg.seed, 0) if val_idx else []
+        # validation packed per group (val_groups: name -> sample indices), reported overall and per group
+        self.val_sets = {name: pack(idx, lengths, cfg.max_tokens_per_step, cfg.seed, 0)
+                         for name, idx in (val_groups or {"all": val_idx}).items() if idx}
         self.settings = {k: cfg[k] for k in RESUME_KEYS}
         self.settings["geometry"] = model.g.to_dict()
         self.settings["optimizer_layout"] = "fsdp" if self.fsdp else "plain"  # their saved states differ
@@ -133,16 +136,13 @@ class Trainer:
         self.log.info("checkpoint %s: %.2f GB in %.1f s", name, size / 1e9, seconds)
         return seconds
 
-    def run_validation(self):
-        if not self.val_bins:
-            return None
-        bins = self.val_bins[self.rank::self.world]
+    def _validation_sums(self, val_bins):
+        bins = val_bins[self.rank::self.world]
         # every rank runs the same number of forwards (FSDP gathers weights in each; DDP syncs
         # buffers): a rank short of sequences repeats the first one and does not count it
-        n = math.ceil(len(self.val_bins) / self.world)
-        loader = make_loader(self.folder, bins + self.val_bins[:1] * (n - len(bins)), self.cfg.max_tokens_per_step, 0,
+        n = math.ceil(len(val_bins) / self.world)
+        loader = make_loader(self.folder, bins + val_bins[:1] * (n - len(bins)), self.cfg.max_tokens_per_step, 0,
                              embed=self.host_embed)
-        self.model.eval()
         sums = {}
         with torch.no_grad():
             for i, batch in enumerate(loader):
@@ -151,14 +151,32 @@ class Trainer:
                     _, m = self.parallel_model(batch, self.cfg.ttt_steps, self.cfg.ttt_decay)
                 if i < len(bins):
                     accumulate(sums, m)
-        self.model.train()
-        val = summarize(all_reduce_sums(sums, self.device, self.cfg.ttt_steps), self.cfg.ttt_steps)
-        row = {"kind": "val", "step": self.state["step"], "epoch": self.state["epoch"], **val}
-        self._write_metrics(row)
+        return all_reduce_sums(sums, self.device, self.cfg.ttt_steps)
+
+    def run_validation(self):
+        if not self.val_sets:
+            return None
         k = self.cfg.ttt_steps
+        self.model.eval()
+        total, groups = {}, {}
+        for name, bins in self.val_sets.items():
+            sums = self._validation_sums(bins)
+            merge_sums(total, sums)
+            groups[name] = summarize(sums, k)
+        self.model.train()
+        val = summarize(total, k)
+        row = {"kind": "val", "step": self.state["step"], "epoch": self.state["epoch"], **val}
+        if len(groups) > 1:
+            row["groups"] = val["groups"] = groups
+        self._write_metrics(row)
         self.log.info("validation @ step %d: full acc %s, cond acc %s, simulated acceptance length %.3f (k=%d)",
                       self.state["step"], " / ".join(f"{val[f'full_acc_{i}']:.3f}" for i in range(k)),
                       " / ".join(f"{val[f'cond_acc_{i}']:.3f}" for i in range(k)), val["acceptance_length"], k)
+        if len(groups) > 1:
+            self.log.info("  by answer: %s", "; ".join(
+                f"{name} ({sum(map(len, self.val_sets[name]))} samples) simulated acceptance length "
+                f"{g['acceptance_length']:.3f}, full acc " + " / ".join(f"{g[f'full_acc_{i}']:.3f}" for i in range(k))
+                for name, g in groups.items()))
         return val
 
     def train(self):

@@ -28,3 +28,22 @@ def test_mtbench_prompts_carry_their_eight_categories():
     assert len(cats) == 80 and sorted(set(cats.values())) == [
         "coding", "extraction", "humanities", "math", "reasoning", "roleplay", "stem", "writing"]
     assert all(list(cats.values()).count(c) == 10 for c in set(cats.values()))
+
+
+def test_validation_comparison_puts_the_verifiers_own_answers_beside_the_blend():
+    import logging
+    from common.evaluate import compare_with_training
+    from common.prepare import validation_groups
+    records = [{"id": "a_0"}, {"id": "a_0#original"}, {"id": "b_3"}, {"id": "b_3#original"}]
+    assert validation_groups(records, [0, 1, 2], regenerated=True) == {"verifier answers": [0, 2],
+                                                                      "dataset answers": [1]}
+    assert validation_groups(records, [0, 2], regenerated=True) is None  # one kind only: nothing to split
+    assert validation_groups(records, [0, 1], regenerated=False) is None  # no regeneration: all the dataset's
+    best = {"full_acc_0": 0.5, "full_acc_1": 0.3, "full_acc_2": 0.1, "acceptance_length": 1.9,
+            "groups": {"verifier answers": {"full_acc_0": 0.6, "full_acc_1": 0.4, "full_acc_2": 0.2},
+                       "dataset answers": {"full_acc_0": 0.4, "full_acc_1": 0.2, "full_acc_2": 0.0}}}
+    rows = [{"num_speculative_tokens": 2, "acceptance_length": 2.0, "per_position_acceptance": [0.6, 0.4]}]
+    compare_with_training(rows, best, logging.getLogger("test"))
+    assert rows[0]["trainer_simulated_acceptance_length"] == 1.8  # 1 + 0.5 + 0.3
+    assert rows[0]["trainer_simulated_on_verifier_answers"] == 2.0  # 1 + 0.6 + 0.4: what vLLM serves
+    assert rows[0]["trainer_full_accuracy_on_verifier_answers"] == [0.6, 0.4]

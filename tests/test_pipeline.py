@@ -6,7 +6,7 @@ import subprocess
 from conftest import ROOT
 
 TINY = ["--num-samples", 8, "--max-new-tokens", 24, "--max-seq-len", 256, "--max-steps", 4, "--eval-limit", 3,
-        "--regenerate-chunk", 4, "--draft-vocab-size", 512, "--max-tokens-per-step", 512]
+        "--regenerate-chunk", 4, "--draft-vocab-size", 512, "--max-tokens-per-step", 512, "--val-fraction", 0.25]
 
 
 def pipeline(*args):
@@ -36,3 +36,10 @@ def test_failing_stage_stops_chain_then_rerun_resumes(tmp_path):
     assert row["acceptance_length"] >= 1.0 and row["tokens_per_s"] > 0 and row["prompts"] == 3
     assert re.search(r"k=3: acceptance length \d+\.\d{3}", report) and "Total wall time" in report
     assert (work / "logs" / "05_evaluate.log").is_file() and (work / "train" / "curves.png").is_file()
+    # the default keeps the dataset's answers beside the regenerated ones: validation reports each kind
+    best = json.loads((work / "train" / "manifest.json").read_text())["best_validation"]
+    assert sorted(best["groups"]) == ["dataset answers", "verifier answers"]
+    for k in range(3):
+        parts = [g[f"full_acc_{k}"] for g in best["groups"].values()]
+        assert min(parts) <= best[f"full_acc_{k}"] <= max(parts)  # the blend of the two
+    assert "by answer: verifier answers (" in (work / "logs" / "04_train.log").read_text()
