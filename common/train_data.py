@@ -14,12 +14,29 @@ from common.draft import OnHost
 from common.hidden_states import read_sample, sample_path
 
 
-def split_samples(indices, val_fraction, seed):
-    """Fixed split by sample: -> (train, val). At least one validation sample when asked for any."""
+def split_samples(indices, val_fraction, seed, conversation=None):
+    """Fixed split: -> (train, val). At least one validation sample when asked for any. conversation(i) -> key:
+    samples of one conversation (a regenerated answer and the dataset's, --keep-original-answers) stay on one
+    side, or validation would score a prompt training saw (and vLLM, serving it, the very answer trained on)."""
     order = list(indices)
-    random.Random(seed).shuffle(order)
     n_val = min(len(order) - 1, max(1, round(len(order) * val_fraction))) if val_fraction > 0 else 0
-    return sorted(order[n_val:]), sorted(order[:n_val])
+    if conversation is None:
+        random.Random(seed).shuffle(order)
+        return sorted(order[n_val:]), sorted(order[:n_val])
+    by_key = {}
+    for i in order:
+        by_key.setdefault(conversation(i), []).append(i)
+    keys = sorted(by_key)
+    random.Random(seed).shuffle(keys)
+    val = []
+    for key in keys:
+        if len(val) >= n_val:
+            break
+        val += by_key[key]
+    if len(val) == len(order):  # one conversation only: keep training
+        val = val[:n_val]
+    held = set(val)
+    return sorted(i for i in order if i not in held), sorted(val)
 
 
 def shifted_len(n, budget):
@@ -28,6 +45,7 @@ def shifted_len(n, budget):
 
 
 PACKING = "first-fit, window 32"  # recorded in checkpoints: resuming needs the same sequences
+SPLIT = "by conversation"  # likewise: the same train/validation split
 
 
 def pack(indices, lengths, budget, seed, epoch, window=32):

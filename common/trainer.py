@@ -14,7 +14,7 @@ from common.errors import UsageError
 from common.log import fmt_duration
 from common.metrics import accumulate, merge_sums, peak_memory_gb, summarize
 from common.precision import autocast, cpu_compiler_found, use_bf16
-from common.train_data import PACKING, make_loader, pack, shifted_len, to_device
+from common.train_data import PACKING, SPLIT, make_loader, pack, shifted_len, to_device
 
 
 def lr_lambda(warmup, total):
@@ -83,6 +83,7 @@ class Trainer:
         self.settings["geometry"] = model.g.to_dict()
         self.settings["optimizer_layout"] = "fsdp" if self.fsdp else "plain"  # their saved states differ
         self.settings["packing"] = PACKING  # a checkpoint's data position indexes this packing's sequences
+        self.settings["split"] = SPLIT
         self.state = {"step": 0, "epoch": 0, "bin": 0, "best": None, "best_step": None, "tokens": 0,
                       "train_seconds": 0.0, "settings": self.settings}
         self.ckpt_dir = self.out / "checkpoints"

@@ -381,3 +381,14 @@ def test_eagle31_norms_compute_what_speculators_computes(extracted, verifier_dir
     with torch.no_grad():
         plain = ours.unroll(batch["aux"], batch["ids"], batch["pos"], batch["doc"], batch["docs"], 3)
     assert torch.equal(plain[0], logits[0]) and not torch.allclose(plain[2], logits[2], atol=1e-3)
+
+
+def test_a_conversations_two_answers_stay_on_one_side_of_the_split():
+    from common.train_data import split_samples
+    ids = [f"c{j}" for j in range(20)] + [f"c{j}#original" for j in range(20)]
+    train, val = split_samples(range(40), 0.1, seed=0, conversation=lambda i: ids[i].removesuffix("#original"))
+    assert len(val) == 4 and sorted(train + val) == list(range(40))
+    held = {ids[i].removesuffix("#original") for i in val}
+    assert len(held) == 2 and not held & {ids[i].removesuffix("#original") for i in train}
+    t2, v2 = split_samples(range(40), 0.1, seed=0)  # by sample: a held-out answer's twin trains
+    assert {ids[i].removesuffix("#original") for i in v2} & {ids[i].removesuffix("#original") for i in t2}
