@@ -24,11 +24,11 @@ import json
 import math
 import shutil
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from common.parity import load_exported_draft, predicted_accepts
 from conftest import run_script
 
 N_PROMPTS, NEW_TOKENS, SEQ, K = 6, 48, 224, 3
@@ -90,21 +90,6 @@ def export(work, norms, fmt):
         assert cfg["speculators_model_type"] == "eagle3" and "layers.0.self_attn.q_proj.weight" in weights
 
 
-def trained_draft(work):
-    """Our Eagle3Draft with the exported (bf16) weights, as vLLM loads them."""
-    from common.build_draft import build_model
-    from common.draft import DraftGeometry
-    man = json.loads((work / "train" / "manifest.json").read_text())
-    d2t = np.load(work / "vocab" / "d2t.npy")
-    model_dir = json.loads((work / "prepared" / "manifest.json").read_text())["params"]["model_dir"]
-    model = build_model(DraftGeometry(**man["params"]["geometry"]), model_dir, d2t + np.arange(len(d2t)))
-    exported = load_file(str(work / "final_draft" / "model.safetensors"))
-    if "midlayer.self_attn.q_proj.weight" in exported:
-        exported = {k.replace("midlayer.", "layers.0."): v for k, v in exported.items()}
-    model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in exported.items()}, strict=False)
-    return model.eval(), torch.as_tensor(d2t)
-
-
 def trainer_accuracy(work, model):
     """Per-position full accuracy over every loss position of every sample, as stage 4 measures it."""
     from common.metrics import accumulate, summarize
@@ -119,26 +104,6 @@ def trainer_accuracy(work, model):
     return summarize(sums, K), float(sums["full_total_0"])
 
 
-def predicted_accepts(work, model, d2t, index, tokens):
-    """row -> leading right TTT predictions (0..K) of the draft at that row of sample `index`."""
-    from common.train_data import PackedDataset
-    b = PackedDataset(work / "hidden_states", [[index]], 4096)[0]
-    b = {k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in b.items()}
-    with torch.no_grad():
-        logits = model.unroll(b["aux"], b["ids"], b["pos"], b["doc"], b["docs"], K)
-    tokens = torch.as_tensor(tokens)
-    right = []
-    for k in range(K):
-        top = logits[k].argmax(-1)
-        guess = top + d2t[top]  # draft vocab -> verifier ids
-        n = len(tokens) - 2 - k  # row i at step k predicts token i + 2 + k
-        right.append(guess[:n] == tokens[2 + k:2 + k + n])
-    out = {}
-    for row in range(len(right[-1])):
-        out[row] = next((k for k in range(K) if not right[k][row]), K)
-    return out
-
-
 def step_by_step(work, model, d2t):
     """[(vLLM's accepted count, the trainer's prediction, first drafted answer position)] over every prompt."""
     from common.prepare import load_prepared
@@ -150,7 +115,7 @@ def step_by_step(work, model, d2t):
         prompt = rec["loss_mask"].index(1)
         served = out[f"k{K}_ids"]
         assert served == rec["input_ids"][prompt:prompt + len(served)]  # vLLM wrote the regenerated answer
-        predicted = predicted_accepts(work, model, d2t, i, rec["input_ids"])
+        predicted = predicted_accepts(model, d2t, work / "hidden_states", i, rec["input_ids"], K)
         q = 1  # the answer's first token comes from the prefill
         for accepted in out[f"k{K}_accepted_per_step"]:
             if q + K <= len(served):  # all K drafts inside the answer (the last step is cut by its end)
@@ -172,7 +137,7 @@ def test_vllm_accepts_what_training_measured(memorise, norms, fmt):
     row = acc["results"][0]
     assert acc["draft_vocab_coverage"] == 1.0  # the draft vocab was built from these very answers
     assert row["prompts"] == prompts and row["outputs_equal_baseline"] == prompts  # greedy: the verifier's own
-    model, d2t = trained_draft(work)
+    model, d2t = load_exported_draft(work)
 
     pairs = step_by_step(work, model, d2t)
     n = len(pairs)
