@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from common.errors import UsageError, run_main
 from common.export import compare_with_reference, export_draft, serve_command
-from common.prepare import DATASET_ANSWER, load_prepared, validation_groups
+from common.prepare import conversation_id, load_prepared, validation_groups
 from common.io import read_manifest, write_manifest
 from common.models import load_verifier_config, resolve_verifier
 from common.stage import ensure_writable, start
@@ -100,7 +100,7 @@ def main():
         raise UsageError(f"only {len(present)} hidden-state files in {hs_dir}; need at least 2 (train + validation)")
     lengths = {i: len(records[i]["input_ids"]) for i in present}
     train_idx, val_idx = split_samples(present, cfg.val_fraction, cfg.seed,
-                                       lambda i: records[i]["id"].removesuffix(DATASET_ANSWER))
+                                       lambda i: conversation_id(records[i]["id"]))
     plan_epochs(train_idx, lengths, cfg, world)  # enough packed sequences for ranks x accumulation?
     need = memory_estimate(g, cfg.max_tokens_per_step, cfg.ttt_steps, min(max(lengths.values()), cfg.max_tokens_per_step))
     have = available_memory(device)

@@ -146,10 +146,9 @@ def compare_with_training(rows, best, log):
     hold the dataset's, which vLLM never serves: the verifier answers those prompts its own way)."""
     def full_acc(v):
         return [v[f"full_acc_{i}"] for i in range(sum(key.startswith("full_acc_") for key in v))]
-    own = (best.get("groups") or {}).get("verifier answers")
+    full, own = full_acc(best), (best.get("groups") or {}).get("verifier answers")
     for row in rows:
         k = row["num_speculative_tokens"]
-        full = full_acc(best)
         if k > len(full):
             continue
         simulated = 1 + sum(full[:k])

@@ -232,6 +232,11 @@ def load_prepared(work_dir):
     return man, records
 
 
+def conversation_id(sample_id):
+    """The conversation a sample comes from: a dataset-answer twin shares its regenerated sample's."""
+    return sample_id.removesuffix(DATASET_ANSWER)
+
+
 def validation_groups(records, val_idx, regenerated):
     """Held-out samples by whose answer they hold: the verifier's own (regenerated; what serving sees, so their
     simulated acceptance is the one vLLM should reproduce) or the dataset's. None unless both are present."""
@@ -240,4 +245,3 @@ def validation_groups(records, val_idx, regenerated):
         own = regenerated and not records[i]["id"].endswith(DATASET_ANSWER)
         groups["verifier answers" if own else "dataset answers"].append(i)
     return groups if all(groups.values()) else None
-
