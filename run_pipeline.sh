@@ -37,6 +37,18 @@ mkdir -p "$work_dir/logs"
 combined="$work_dir/logs/pipeline.log"
 echo "pipeline: config $config, work dir $work_dir; follow with: tail -f $combined"
 
+# `kill PID` of the wrapper: pass SIGTERM to the running stage, which stops cleanly (vLLM's engine with it,
+# finished work kept), and wait for it; Ctrl-C reaches the stage itself (same process group), so only wait.
+stage=""
+stop() {
+  echo "$(date '+%F %T') [pipeline] $1: stopping${stage:+ stage $stage}; re-run the same command to resume" | tee -a "$combined"
+  [[ $1 == SIGTERM && -n $stage ]] && pkill -TERM -P $$ -f "$stage\.py"
+  wait
+  exit "$2"
+}
+trap 'stop SIGTERM 143' TERM
+trap 'stop SIGINT 130' INT
+
 timings="$work_dir/logs/timings.json"
 [[ -f $timings ]] || echo '{}' > "$timings"
 started=0 forced=0
@@ -58,9 +70,10 @@ for stage in "${STAGES[@]}"; do
   fi
   echo "$(date '+%F %T') [pipeline] stage $stage: starting (log $log)$([[ ${#run[@]} -gt 2 ]] && echo "; torchrun --nproc_per_node $nproc")" | tee -a "$combined"
   t0=$(date +%s)
+  # in the background: bash runs a trap only between commands, and `wait` returns on a signal
   PYTHONUNBUFFERED=1 "${run[@]}" --config "$config" "${pass[@]}" 2>&1 | tee "$log" \
-    | sed -u "s/^/[$num] /" >> "$combined"
-  rc=${PIPESTATUS[0]}
+    | sed -u "s/^/[$num] /" >> "$combined" &
+  wait $!; rc=$?  # with pipefail: the stage's status
   if [[ $rc != 0 ]]; then
     echo "$(date '+%F %T') [pipeline] stage $stage FAILED with exit status $rc; last lines of $log:" | tee -a "$combined"
     tail -n 15 "$log" | sed 's/^/    /'

@@ -48,15 +48,20 @@ def select_conversations(cfg, log):
     return convs, skips, n_read
 
 
-def regen_key(cfg, model_id, convs):
-    """Hash of everything regeneration depends on: a cached chunk is reused only on an exact match."""
+def regen_key(cfg, model_id):
+    """Hash of the settings regeneration depends on: the folder name, so other settings never reuse a chunk."""
+    return hashlib.sha256(json.dumps([model_id, cfg.temperature, cfg.max_new_tokens, cfg.repetition_penalty, cfg.seed,
+                                      cfg.max_seq_len, cfg.regenerate_chunk, cfg.chat_template]).encode()).hexdigest()[:16]
+
+
+def chunk_file(folder, c, chunk):
+    """A chunk's file, named by its conversations: a larger --num-samples (the same shuffle, more of it)
+    reuses every finished chunk it shares with an earlier run."""
     h = hashlib.sha256()
-    h.update(json.dumps([model_id, cfg.temperature, cfg.max_new_tokens, cfg.repetition_penalty, cfg.seed,
-                         cfg.max_seq_len, cfg.regenerate_chunk, cfg.chat_template]).encode())
-    for ref, msgs in convs:
+    for ref, msgs in chunk:
         h.update(ref.encode())
         h.update(json.dumps([m["content"] for m in msgs if m["role"] != "assistant"]).encode())
-    return h.hexdigest()[:16]
+    return Path(folder) / f"chunk_{c:05d}-{h.hexdigest()[:12]}.jsonl"
 
 
 def _chunk_round(llm, tok, cfg, chunk, answers, finishes, token_ids, turn, offset):
@@ -111,12 +116,12 @@ def regenerate(convs, tok, cfg, model_dir, out_dir, log):
     re-run loads finished chunks and generates only the missing ones, so a kill loses at most
     the chunk in flight. Returns (conversations, stats).
     """
-    key = regen_key(cfg, model_dir, convs)
-    folder = Path(out_dir) / f"regen-{key}"
+    folder = Path(out_dir) / f"regen-{regen_key(cfg, model_dir)}"
     folder.mkdir(parents=True, exist_ok=True)
     size = cfg.regenerate_chunk
     chunks = [convs[i:i + size] for i in range(0, len(convs), size)]
-    todo = [c for c in range(len(chunks)) if not (folder / f"chunk_{c:05d}.jsonl").is_file()]
+    files = [chunk_file(folder, c, chunk) for c, chunk in enumerate(chunks)]
+    todo = [c for c in range(len(chunks)) if not files[c].is_file()]
     log.info("regeneration: %d conversations in %d chunks, %d already done (%s)", len(convs), len(chunks),
              len(chunks) - len(todo), folder)
     gen_tokens, t0 = 0, time.time()
@@ -132,13 +137,13 @@ def regenerate(convs, tok, cfg, model_dir, out_dir, log):
             n = sum(_chunk_round(llm, tok, cfg, chunk, answers, finishes, token_ids, t, c * size)
                     for t in range(turns))
             gen_tokens += n
-            with atomic_path(folder / f"chunk_{c:05d}.jsonl") as tmp:
+            with atomic_path(files[c]) as tmp:
                 tmp.write_text("".join(json.dumps({"id": ref, "answers": a, "finish": f, "last_answer_ids": ids}) + "\n"
                                        for (ref, _), a, f, ids in zip(chunk, answers, finishes, token_ids)))
             prog.update(1, extra=n)
         prog.close()
         del llm
-    new_convs, finish = _apply_regenerated(convs, folder, len(chunks), cfg)
+    new_convs, finish = _apply_regenerated(convs, files, cfg)
     stats = {"folder": str(folder), "answers": sum(v for k, v in finish.items() if k != "too_long"),
              "prompts_too_long": finish.get("too_long", 0), "finish_reasons": dict(finish),
              "hit_length_cap": finish.get("length", 0), "generated_tokens_this_run": gen_tokens,
@@ -148,9 +153,8 @@ def regenerate(convs, tok, cfg, model_dir, out_dir, log):
     return new_convs, stats
 
 
-def _apply_regenerated(convs, folder, n_chunks, cfg):
-    rows = [json.loads(line) for c in range(n_chunks)
-            for line in (folder / f"chunk_{c:05d}.jsonl").read_text().splitlines()]
+def _apply_regenerated(convs, files, cfg):
+    rows = [json.loads(line) for f in files for line in f.read_text().splitlines()]
     out, finish = [], Counter()
     for (ref, msgs), row in zip(convs, rows):
         assert row["id"] == ref, "regeneration chunk out of order; delete the regen folder"

