@@ -52,8 +52,9 @@ def main():
     model_dir = resolve_verifier(cfg.verifier, create=not cfg.dry_run)
     model_config = load_verifier_config(model_dir, cfg.trust_remote_code)
     if cfg.regenerate and model_config is not None:
-        from common.engine import check_parallel
+        from common.engine import check_parallel, cpu_mla_fallback
         check_parallel(cfg, model_config)
+        cpu_mla_fallback(model_config, log, cfg.dtype, draft=False)
     if cfg.dry_run:
         plan(cfg, log, out, model_dir)
         log.info("dry run: %d conversations would be used; nothing written", len(convs))

@@ -36,8 +36,9 @@ def preflight(cfg, log):
     if cfg.self_check_samples and not cfg.dry_run:  # names and shapes from the headers: seconds
         verifier_piece_keys(model_dir, text_cfg.hidden_size)
     if cfg.backend == "vllm":
-        from common.engine import check_parallel
+        from common.engine import check_parallel, cpu_mla_fallback
         check_parallel(cfg, text_cfg)
+        cpu_mla_fallback(text_cfg, log, cfg.dtype, draft=False)
     longest = max(len(r["input_ids"]) for r in records)
     if longest > cfg.max_seq_len:
         raise UsageError(f"longest prepared sample has {longest} tokens > --max-seq-len {cfg.max_seq_len}; "

@@ -35,7 +35,7 @@ def main():
     if text_cfg is not None:
         from common.engine import check_parallel, cpu_mla_fallback
         check_parallel(cfg, text_cfg)
-        cpu_mla_fallback(text_cfg, log)
+        cpu_mla_fallback(text_cfg, log, cfg.eval_dtype or cfg.dtype)
     ks = sorted(set(cfg.num_speculative_tokens))
     log.info("plan: %d prompts from %s, %d new tokens each, temperature %g; engines: baseline + %s with %s%s",
              len(items), cfg.eval_dataset, cfg.max_new_tokens, cfg.temperature,

