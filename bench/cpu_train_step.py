@@ -72,6 +72,8 @@ def main():
                     help="random hidden states for W/prepared/'s records instead of W/hidden_states/")
     ap.add_argument("--profile", type=int, default=0, help="print the N costliest ops of the timed steps")
     args = ap.parse_args()
+    if args.fp32 and args.compile_layers:
+        ap.error("--compile-layers compiles what 04_train.py compiles on GPUs, under bf16 only: drop --fp32")
     work, dtype = Path(args.work_dir), torch.float32 if args.fp32 else torch.bfloat16
     with tempfile.TemporaryDirectory() as tmp:  # the batches are read into memory
         folder = random_states(work / "prepared", args.samples, Path(tmp)) if args.random_states \
