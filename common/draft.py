@@ -87,6 +87,13 @@ def rope(x, pos, theta):
 
 
 ROW_BUCKET = 64
+ATTN_BUCKET = 64
+
+
+def attn_bucket(dtype):
+    """The per-document attention products' sizes are rounded up to this (TTTPlan._attend_sdpa). Only in
+    bf16/fp16: fp32 and fp64 products go to MKL, which builds no kernel per shape."""
+    return ATTN_BUCKET if dtype in (torch.bfloat16, torch.float16) else 1
 
 
 class Linear(nn.Linear):
@@ -145,40 +152,49 @@ class TTTPlan:
         return self.attend_sdpa(q, step)
 
     def attend_sdpa(self, q, step):
-        # fp32: in bf16 oneDNN builds a kernel for each new matrix shape, and every document brings new ones
-        # (~2.7 ms vs 0.2 ms for a cached one); fp32 products go to MKL, which builds none
-        with torch.autocast(q.device.type, enabled=False):
-            return self._attend_sdpa(q.float(), step).to(q.dtype)
+        with torch.autocast(q.device.type, enabled=False):  # the products run in q's dtype, by hand
+            return self._attend_sdpa(q, step)
 
     def _attend_sdpa(self, q, step):
         """Per document: its step-0 keys, causal, plus each query's own keys of steps 1..step as per-row dot
         products: scores [m, n + step], not SDPA's [m, n + step*m] with a diagonal mask. Cost grows with the
-        document lengths."""
+        document lengths. The two products run in q's dtype (bf16 under autocast), the softmax and the
+        diagonal in fp32. In bf16, oneDNN builds a kernel per new matrix shape (~2.7 ms, against 0.2 ms for a
+        cached one), so both sizes are rounded up to ATTN_BUCKET: the extra keys lie past the document's end
+        (masked by the causal test), the extra queries' outputs are dropped."""
         q_orig, ranges, out = self.rows[step], self.doc_ranges[step], torch.empty_like(q)
-        # contiguous: the cached keys are [heads, T, dim] views of [T, heads, dim]
-        k0, v0 = (t.float().contiguous() for t in self.cache[0])
+        k0, v0 = self.cache[0]  # [heads, T, dim] views of [T, heads, dim]
+        bucket = attn_bucket(q.dtype)
         kv, dim = k0.shape[0], q.shape[-1]
-        grp = q.shape[0] // kv  # query heads per KV head (GQA): they share one matmul
-        q = q * dim ** -0.5
+        grp = q.shape[0] // kv  # query heads per KV head (GQA): they share one product
+        # contiguous copies with room to round up; the extra queries sit past the last position (they see every
+        # key of their document block, so no row is all -inf)
+        k0, v0, qp = (F.pad(t, (0, 0, 0, bucket - 1)) for t in (k0, v0, q * dim ** -0.5))
+        q_pos = F.pad(q_orig, (0, bucket - 1), value=self.T)
         for d, (a, b) in enumerate(self.docs):
             lo, hi = ranges[d], ranges[d + 1]
             if lo == hi:
                 continue
-            qi, m, n = q_orig[lo:hi], hi - lo, b - a
-            qd = q[:, lo:hi].reshape(kv, grp * m, dim)
-            s = torch.bmm(qd, k0[:, a:b].transpose(1, 2)).view(kv, grp, m, n)
-            s = s.masked_fill(torch.arange(a, b, device=q.device)[None, :] > qi[:, None], float("-inf"))
+            m, n = hi - lo, b - a
+            mp, n_ = -(-m // bucket) * bucket, -(-n // bucket) * bucket
+            s = torch.bmm(qp[:, lo:lo + mp].reshape(kv, grp * mp, dim), k0[:, a:a + n_].transpose(1, 2))
+            s = s.view(kv, grp, mp, n_).masked_fill(torch.arange(a, a + n_, device=q.device) > q_pos[lo:lo + mp, None],
+                                                   float("-inf"))
             if step:
+                qi = q_orig[lo:hi]
                 sel = [self.lookup[j][qi] for j in range(1, step + 1)]
                 kd = torch.stack([self.cache[j][0][:, r] for j, r in enumerate(sel, 1)], 1).float()  # [kv, step, m, dim]
                 vd = torch.stack([self.cache[j][1][:, r] for j, r in enumerate(sel, 1)], 1).float()
+                qf = qp[:, lo:hi].reshape(kv, grp, 1, m, dim).float()
                 # elementwise, not einsum: as a bmm it would be m tiny products per KV head, slow on the CPU
-                s = torch.cat([s, (qd.view(kv, grp, 1, m, dim) * kd[:, None]).sum(-1).transpose(-1, -2)], -1)
-            p = s.softmax(-1)
-            o = torch.bmm(p[..., :n].reshape(kv, grp * m, n), v0[:, a:b]).view(kv, grp, m, dim)
+                diag = (qf * kd[:, None]).sum(-1).transpose(-1, -2)  # [kv, grp, m, step]
+                s = torch.cat([s.float(), F.pad(diag, (0, 0, 0, mp - m), value=0.0)], -1)
+            p = s.softmax(-1, dtype=torch.float32)
+            o = torch.bmm(p[..., :n_].to(q.dtype).reshape(kv, grp * mp, n_), v0[:, a:a + n_]).view(kv, grp, mp, dim)
+            o = o[:, :, :m]
             if step:
-                o = o + (p[..., n:].transpose(-1, -2)[..., None] * vd[:, None]).sum(2)
-            out[:, lo:hi] = o.reshape(-1, m, dim)
+                o = o.float() + (p[:, :, :m, n_:].transpose(-1, -2)[..., None] * vd[:, None]).sum(2)
+            out[:, lo:hi] = o.reshape(-1, m, dim).to(out.dtype)
         return out
 
 

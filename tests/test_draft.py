@@ -3,9 +3,11 @@
 The reference is written out independently here, as speculators computes it: every position at
 every step, one T x (k+1)T mask (causal within the document over step-0 keys, plus the diagonal).
 """
+import pytest
 import torch
 import torch.nn.functional as F
 
+from common import draft
 from common.draft import DraftGeometry, Eagle3Draft, rope, ttt_loss
 
 
@@ -56,7 +58,10 @@ def dense_reference(m, b, ttt, decay):
     return total
 
 
-def test_row_subsets_equal_dense_reference():
+@pytest.mark.parametrize("bucket", [1, 64])
+def test_row_subsets_equal_dense_reference(bucket, monkeypatch):
+    """bucket 64: the attention products' sizes rounded up as in bf16 (extra keys and queries), here in fp64."""
+    monkeypatch.setattr(draft, "attn_bucket", lambda dtype: bucket)
     g = DraftGeometry(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
                       rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=512, verifier_vocab_size=500,
                       draft_vocab_size=500)
@@ -75,6 +80,28 @@ def test_row_subsets_equal_dense_reference():
     for a, r in zip(ours, (p.grad for p in m.trainable_parameters())):
         torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-6)
     assert int(metrics["full_total_0"]) == int(b["loss_mask"].sum())
+
+
+def test_bf16_attention_close_to_fp32():
+    """In bf16 the per-document products run on sizes rounded up to 64 (extra keys past the document, extra
+    query rows): every TTT step's output stays within bf16 rounding of the fp32 path, which rounds nothing."""
+    b = tiny_batch()
+    T, heads, kv, dim = 300, 4, 2, 16
+    ix = draft.index_plan(b["loss_mask"].bool(), b["doc"], b["docs"], 3)
+    gen = torch.Generator().manual_seed(1)
+    qs = [3 * torch.randn(heads, len(ix["rows"][k]), dim, generator=gen) for k in range(3)]  # peaked attention
+    cache = [(torch.randn(kv, n, dim, generator=gen), torch.randn(kv, n, dim, generator=gen))
+             for n in [T] + [len(ix["rows"][k]) for k in (1, 2)]]
+    bf = lambda t: t.to(torch.bfloat16)  # noqa: E731
+    for dtype in (torch.float32, torch.bfloat16):  # the same bf16-rounded inputs to both
+        plan = draft.make_plan(ix, T, b["doc"], b["docs"], torch.device("cpu"))
+        plan.cache = [(bf(k).to(dtype), bf(v).to(dtype)) for k, v in cache]
+        out = [plan.attend(bf(q).to(dtype), k).float() for k, q in enumerate(qs)]
+        if dtype == torch.float32:
+            ref = out
+    assert draft.attn_bucket(torch.bfloat16) == 64
+    for o, r in zip(out, ref):
+        assert (o - r).abs().max().item() < 0.05
 
 
 def test_cpu_linear_rounds_rows_without_changing_results():
