@@ -87,13 +87,12 @@ def rope(x, pos, theta):
 
 
 ROW_BUCKET = 64
-ATTN_BUCKET = 64
 
 
 def attn_bucket(dtype):
-    """The per-document attention products' sizes are rounded up to this (TTTPlan._attend_sdpa). Only in
-    bf16/fp16: fp32 and fp64 products go to MKL, which builds no kernel per shape."""
-    return ATTN_BUCKET if dtype in (torch.bfloat16, torch.float16) else 1
+    """The per-document attention products' sizes are rounded up to this (TTTPlan._attend_sdpa), for the
+    reason Linear rounds its rows. Only in bf16/fp16: fp32 and fp64 products go to MKL, which builds no kernels."""
+    return ROW_BUCKET if dtype in (torch.bfloat16, torch.float16) else 1
 
 
 class Linear(nn.Linear):
@@ -160,15 +159,15 @@ class TTTPlan:
         products: scores [m, n + step], not SDPA's [m, n + step*m] with a diagonal mask. Cost grows with the
         document lengths. The two products run in q's dtype (bf16 under autocast), the softmax and the
         diagonal in fp32. In bf16, oneDNN builds a kernel per new matrix shape (~2.7 ms, against 0.2 ms for a
-        cached one), so both sizes are rounded up to ATTN_BUCKET: the extra keys lie past the document's end
+        cached one), so both sizes are rounded up (attn_bucket): the extra keys lie past the document's end
         (masked by the causal test), the extra queries' outputs are dropped."""
         q_orig, ranges, out = self.rows[step], self.doc_ranges[step], torch.empty_like(q)
         k0, v0 = self.cache[0]  # [heads, T, dim] views of [T, heads, dim]
         bucket = attn_bucket(q.dtype)
         kv, dim = k0.shape[0], q.shape[-1]
         grp = q.shape[0] // kv  # query heads per KV head (GQA): they share one product
-        # contiguous copies with room to round up; the extra queries sit past the last position (they see every
-        # key of their document block, so no row is all -inf)
+        # contiguous copies with room to round up; rows past the last query get position T: they see every key,
+        # so no row is all -inf
         k0, v0, qp = (F.pad(t, (0, 0, 0, bucket - 1)) for t in (k0, v0, q * dim ** -0.5))
         q_pos = F.pad(q_orig, (0, bucket - 1), value=self.T)
         for d, (a, b) in enumerate(self.docs):
