@@ -11,7 +11,7 @@ from pathlib import Path
 
 from common.errors import UsageError, run_main
 from common.io import atomic_path, check_free_disk, sha256_file, sha256_text, write_manifest
-from common.models import load_tokenizer, load_verifier_config, resolve_verifier, tokenizer_identity
+from common.models import load_tokenizer, open_verifier, tokenizer_identity
 from common.prepare import DATASET_ANSWER, regenerate, select_conversations, token_stats, tokenize_all
 from common.sources import check_source, describe_source
 from common.stage import ensure_writable, start
@@ -49,9 +49,8 @@ def main():
     convs, skips, n_read = select_conversations(cfg, log)
     if not convs:
         raise UsageError(f"--dataset {cfg.dataset}: no usable conversation (skipped: {dict(skips)})")
-    model_dir = resolve_verifier(cfg.verifier, create=not cfg.dry_run)
-    model_config = load_verifier_config(model_dir, cfg.trust_remote_code)
-    if cfg.regenerate and model_config is not None:
+    model_dir, model_config = open_verifier(cfg, log)
+    if cfg.regenerate:
         from common.engine import check_parallel, cpu_mla_fallback
         check_parallel(cfg, model_config)
         cpu_mla_fallback(model_config, log, cfg.dtype, draft=False)

@@ -15,7 +15,7 @@ from common.extract import (HfExtractor, VllmExtractor, check_layer_ids, default
 from common.hidden_states import LAYER_CONVENTION, disk_estimate, is_valid, sample_path
 from common.io import check_free_disk, sha256_text, write_json_atomic, write_manifest
 from common.log import fmt_duration
-from common.models import embedded_text_config, load_verifier_config, resolve_verifier, verifier_piece_keys
+from common.models import open_verifier
 from common.prepare import load_prepared
 from common.stage import ensure_writable, start
 
@@ -23,18 +23,13 @@ from common.stage import ensure_writable, start
 def preflight(cfg, log):
     """Everything that can fail, in seconds, before the model loads."""
     prep_man, records = load_prepared(cfg.work_dir)
-    model_dir = resolve_verifier(cfg.verifier, create=not cfg.dry_run)
+    model_dir, text_cfg = open_verifier(cfg, log)
     if prep_man["params"]["model_dir"] != model_dir and prep_man["params"]["verifier"] != cfg.verifier:
         raise UsageError(f"prepared data was tokenized for verifier {prep_man['params']['verifier']}, not "
                          f"{cfg.verifier}; re-run 01_prepare_dataset.py or pass the same --verifier")
-    text_cfg = load_verifier_config(model_dir, cfg.trust_remote_code)
-    if text_cfg is None:  # dry run of an embedded model before its first conversion
-        text_cfg = embedded_text_config(cfg.verifier)
     n = text_cfg.num_hidden_layers
     layer_ids = list(cfg.layer_ids or default_layer_ids(n))
     check_layer_ids(layer_ids, n, getattr(text_cfg, "model_type", ""))
-    if cfg.self_check_samples and not cfg.dry_run:  # names and shapes from the headers: seconds
-        verifier_piece_keys(model_dir, text_cfg.hidden_size)
     if cfg.backend == "vllm":
         from common.engine import check_parallel, cpu_mla_fallback
         check_parallel(cfg, text_cfg)

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import numpy as np
 
-from common.errors import run_main
+from common.errors import UsageError, run_main
 from common.prepare import load_prepared
 from common.io import atomic_path, write_manifest
-from common.models import load_tokenizer, load_verifier_config, resolve_verifier
+from common.models import load_tokenizer, open_verifier
 from common.stage import ensure_writable, start
 from common.vocab import count_assistant_tokens, coverage, mapping_arrays, select_draft_vocab
 
@@ -20,11 +20,13 @@ from common.vocab import count_assistant_tokens, coverage, mapping_arrays, selec
 def main():
     cfg, log = start(3, "03_vocab", __doc__)
     prep_man, records = load_prepared(cfg.work_dir)
-    model_dir = resolve_verifier(cfg.verifier, create=not cfg.dry_run)
-    text_cfg = load_verifier_config(model_dir, cfg.trust_remote_code)
-    verifier_vocab = text_cfg.vocab_size if text_cfg else prep_man["tokenizer"]["vocab_size"]
+    model_dir, text_cfg = open_verifier(cfg, log)
+    verifier_vocab = text_cfg.vocab_size
     out = Path(cfg.work_dir) / "vocab"
-    full = cfg.draft_vocab_size >= verifier_vocab
+    if cfg.draft_vocab_size > verifier_vocab:  # a typo more likely than a wish for the full vocabulary
+        raise UsageError(f"--draft-vocab-size {cfg.draft_vocab_size} exceeds the verifier's vocabulary of "
+                         f"{verifier_vocab}; pass {verifier_vocab} for the full vocabulary (no mapping) or a smaller size")
+    full = cfg.draft_vocab_size == verifier_vocab
     log.info("plan: %d prepared samples -> draft vocab %d of verifier vocab %d%s -> %s", len(records),
              cfg.draft_vocab_size, verifier_vocab, " (full vocabulary: no mapping)" if full else "", out)
     if cfg.dry_run:

@@ -20,7 +20,7 @@ from common.errors import UsageError, run_main
 from common.export import compare_with_reference, export_draft, serve_command
 from common.prepare import conversation_id, load_prepared, validation_groups
 from common.io import read_manifest, write_manifest
-from common.models import load_verifier_config, resolve_verifier
+from common.models import open_verifier
 from common.stage import ensure_writable, start
 from common.train_data import split_samples
 from common.build_draft import build_model, geometry
@@ -89,8 +89,7 @@ def main():
     set_threads(cfg, device, log)
     torch.manual_seed(cfg.seed)
     prep_man, records, hs_man, voc_man, layer_ids = read_inputs(cfg)
-    model_dir = resolve_verifier(cfg.verifier, create=not cfg.dry_run)
-    text_cfg = load_verifier_config(model_dir, cfg.trust_remote_code)
+    model_dir, text_cfg = open_verifier(cfg, log)
     full = voc_man["counts"]["full_vocabulary"]
     draft_vocab = text_cfg.vocab_size if full else voc_man["counts"]["draft_vocab_size"]
     g = geometry(cfg, text_cfg, draft_vocab, len(layer_ids) - 1)

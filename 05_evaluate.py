@@ -15,8 +15,9 @@ from pathlib import Path
 from common.errors import UsageError, run_main
 from common.evaluate import (acceptance_breakdown, acceptance_row, compare_with_training, derived_rows, eval_prompts,
                              prompt_categories, run_engine, save_outputs, save_results, vocab_coverage)
+from common.export import check_exported_draft
 from common.io import read_manifest, write_manifest
-from common.models import load_tokenizer, load_verifier_config, resolve_verifier
+from common.models import load_tokenizer, open_verifier
 from common.stage import ensure_writable, start
 
 
@@ -25,17 +26,12 @@ def main():
     work = Path(cfg.work_dir)
     train_man = read_manifest(work / "train", "train", "04_train.py")
     draft = work / "final_draft"
-    if not (draft / "config.json").is_file() or not (draft / "model.safetensors").is_file():
-        raise UsageError(f"{draft} has no exported draft; re-run 04_train.py")
-    if any(k < 1 for k in cfg.num_speculative_tokens):
-        raise UsageError(f"--num-speculative-tokens must be >= 1, got {cfg.num_speculative_tokens}")
+    check_exported_draft(draft, train_man.get("exported_shapes"))
     items = eval_prompts(cfg.eval_dataset, cfg.eval_limit, work)
-    model_dir = resolve_verifier(cfg.verifier, create=not cfg.dry_run)
-    text_cfg = load_verifier_config(model_dir, cfg.trust_remote_code)
-    if text_cfg is not None:
-        from common.engine import check_parallel, cpu_mla_fallback
-        check_parallel(cfg, text_cfg)
-        cpu_mla_fallback(text_cfg, log, cfg.eval_dtype or cfg.dtype)
+    model_dir, text_cfg = open_verifier(cfg, log)
+    from common.engine import check_parallel, cpu_mla_fallback
+    check_parallel(cfg, text_cfg)
+    cpu_mla_fallback(text_cfg, log, cfg.eval_dtype or cfg.dtype)
     ks = sorted(set(cfg.num_speculative_tokens))
     log.info("plan: %d prompts from %s, %d new tokens each, temperature %g; engines: baseline + %s with %s%s",
              len(items), cfg.eval_dataset, cfg.max_new_tokens, cfg.temperature,

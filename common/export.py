@@ -128,3 +128,33 @@ def reference_shapes(reference):
             for k in fh.keys():
                 out[k] = list(fh.get_slice(k).get_shape())
     return out
+
+
+def check_exported_draft(draft_dir, expected_shapes=None):
+    """A draft folder vLLM will be asked to serve, checked in a second: config.json readable with the aux ids
+    where both runners read them, model.safetensors' header readable and (from stage 4's manifest) the names
+    and shapes it exported. Raises UsageError naming the file; a damaged draft must not cost a model load."""
+    from safetensors import safe_open
+    from common.errors import UsageError
+    folder = Path(draft_dir)
+    fix = f"re-run 04_train.py (it re-exports {folder} from its best checkpoint)"
+    conf_path, weights = folder / "config.json", folder / "model.safetensors"
+    for f in (conf_path, weights):
+        if not f.is_file():
+            raise UsageError(f"{f} is missing; {fix}")
+    try:
+        conf = json.loads(conf_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{conf_path} is not valid JSON ({exc}); {fix}")
+    if not isinstance(conf, dict) or not conf.get("eagle_aux_hidden_state_layer_ids"):
+        raise UsageError(f"{conf_path} has no top-level eagle_aux_hidden_state_layer_ids (vLLM 0.33's Model Runner "
+                         f"V2 would silently use other layers); {fix}")
+    try:
+        with safe_open(str(weights), "pt") as fh:
+            shapes = {k: list(fh.get_slice(k).get_shape()) for k in fh.keys()}
+    except Exception as exc:  # safetensors raises its own error types for damaged headers
+        raise UsageError(f"{weights} cannot be read ({str(exc).splitlines()[0][:120]}); {fix}")
+    if expected_shapes and shapes != expected_shapes:
+        diff = sorted(k for k in set(shapes) | set(expected_shapes) if shapes.get(k) != expected_shapes.get(k))
+        raise UsageError(f"{weights} does not hold the tensors stage 4 exported (first difference: {diff[0]}); {fix}")
+    return conf

@@ -93,9 +93,11 @@ def mini_kimi_dir(create=True):
 
 
 def resolve_verifier(spec, create=True):
-    """Return the local model dir (or HF id) for --verifier; converts the embedded model once.
+    """Return the local model folder for --verifier; converts the embedded model once, downloads a hub id once.
 
-    With create=False (dry runs) nothing is written; the would-be path is returned.
+    A hub id resolves to its snapshot folder in the HF cache, so every stage reads the same files (the weight
+    headers included) and naming the id or its snapshot folder is the same run. With create=False (dry runs)
+    nothing is written or downloaded: the would-be path, or the id itself where the cache holds no snapshot.
     """
     if spec.startswith("embedded:") and spec.split(":", 1)[1] in GENERATED:
         return str(mini_kimi_dir(create))
@@ -109,9 +111,76 @@ def resolve_verifier(spec, create=True):
         if not (path / "config.json").is_file():
             raise UsageError(f"--verifier {spec}: folder has no config.json; point it at an HF model folder")
         return str(path)
-    if spec.startswith((".", "/", "~")):
-        raise UsageError(f"--verifier {spec}: folder not found")
-    return spec  # an HF hub id; load_verifier_config reports offline failures
+    if spec.startswith((".", "/", "~")) or spec.count("/") != 1:
+        raise UsageError(f"--verifier {spec}: folder not found (an HF id has the form ORG/NAME)")
+    return hub_snapshot(spec, create)
+
+
+# what a verifier needs from its hub repo: config, tokenizer, remote code, safetensors weights
+HUB_IGNORE = ["*.bin", "*.pt", "*.pth", "*.gguf", "*.h5", "*.msgpack", "*.onnx", "original/*"]
+
+
+def _complete_snapshot(folder):
+    """A cached snapshot with its config and every weight file its index names (a killed download leaves
+    some out); None if there is none."""
+    if folder is None or not (Path(folder) / "config.json").is_file():
+        return None
+    index = Path(folder) / "model.safetensors.index.json"
+    if index.is_file():
+        files = set(json.loads(index.read_text())["weight_map"].values())
+        return folder if all((Path(folder) / f).is_file() for f in files) else None
+    return folder if any(Path(folder).glob("*.safetensors")) else None
+
+
+def hub_snapshot(repo_id, create=True):
+    """The HF cache's snapshot folder of `repo_id`: a complete cached one is used as it is (no hub call, so a
+    new upstream revision never changes a run half-way); else downloaded once (create) with progress bars."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+    try:
+        cached = _complete_snapshot(snapshot_download(repo_id, local_files_only=True))
+    except LocalEntryNotFoundError:
+        cached = None
+    except Exception as exc:  # a malformed id, a damaged cache
+        raise UsageError(f"--verifier {repo_id}: {str(exc).strip().splitlines()[0][:200]}")
+    if cached:
+        log.info("verifier %s: cached snapshot %s", repo_id, cached)
+        return str(cached)
+    if not create:
+        return repo_id  # dry run: nothing downloaded; the checks that need its files say so
+    log.info("verifier %s: not in the HF cache (%s); downloading it once (safetensors, config, tokenizer, code)",
+             repo_id, os.environ.get("HF_HUB_CACHE") or os.environ.get("HF_HOME") or "~/.cache/huggingface")
+    try:
+        folder = snapshot_download(repo_id, ignore_patterns=HUB_IGNORE)
+    except Exception as exc:  # offline, unknown or gated repo, disk full
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        raise UsageError(f"--verifier {repo_id}: not in the HF cache and the download failed ({first}); download it "
+                         f"where the hub is reachable (huggingface-cli download {repo_id}) or pass a local folder")
+    if not _complete_snapshot(folder):
+        raise UsageError(f"--verifier {repo_id}: the downloaded snapshot {folder} has no config.json or safetensors "
+                         f"weights; this pipeline reads safetensors checkpoints")
+    return str(folder)
+
+
+def open_verifier(cfg, log):
+    """--verifier resolved (embedded, local folder, hub id), its language-model config read and its weights'
+    headers checked: every stage's first seconds, before any model load. -> (model folder, text config)."""
+    model_dir = resolve_verifier(cfg.verifier, create=not cfg.dry_run)
+    text_cfg = load_verifier_config(model_dir, cfg.trust_remote_code)
+    if text_cfg is None:  # dry run of an embedded model before its first conversion
+        text_cfg = embedded_text_config(cfg.verifier)
+    check_verifier(cfg.verifier, model_dir, text_cfg, log)
+    return model_dir, text_cfg
+
+
+def check_verifier(spec, model_dir, text_cfg, log):
+    """Before any load, in seconds: the verifier's embed_tokens, lm_head and final norm can be found in its
+    weight headers (stage 2's self-check and stage 4's draft need them). Skipped, with a note, only where
+    the files are not on this machine yet (a dry run before the embedded conversion or the hub download)."""
+    if not (Path(model_dir) / "config.json").is_file():
+        log.info("verifier %s is not on this machine yet: its weights are checked when it is", spec)
+        return None
+    return verifier_piece_keys(model_dir, getattr(text_cfg, "hidden_size", None))
 
 
 def load_verifier_config(model, trust_remote_code=False):
@@ -120,6 +189,14 @@ def load_verifier_config(model, trust_remote_code=False):
 
     if Path(model).is_dir() and not (Path(model) / "config.json").is_file():
         return None  # embedded model in a dry run, not converted yet
+    if not Path(model).exists():  # a hub id not downloaded yet (dry run): its config alone, through the cache
+        from huggingface_hub import hf_hub_download
+        try:
+            hf_hub_download(model, "config.json")
+        except Exception as exc:
+            first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+            raise UsageError(f"--verifier {model}: not in the HF cache and its config cannot be fetched ({first}); "
+                             f"download it where the hub is reachable or pass a local folder")
     try:
         cfg = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
     except Exception as exc:  # offline hub, bad id, remote code refused
@@ -211,7 +288,10 @@ def verifier_piece_keys(model_dir, hidden_size=None):
                                 raise UsageError(f"{folder / name}: final norm {key} has shape {shape}, not "
                                                  f"({hidden_size},); unexpected weight names in this checkpoint")
     if "embed_tokens.weight" not in found or "norm.weight" not in found:
-        raise UsageError(f"cannot find embed_tokens / final norm weights in {model_dir}")
+        missing = [k for k in ("embed_tokens.weight", "norm.weight") if k not in found]
+        raise UsageError(f"cannot find the verifier's {' / '.join(missing)} in the safetensors of {model_dir} "
+                         f"({len(files)} files); stage 2's self-check and stage 4's draft need them: point --verifier "
+                         f"at the full HF checkpoint folder")
     found.setdefault("lm_head.weight", found["embed_tokens.weight"])  # tied embeddings
     return found
 

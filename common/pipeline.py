@@ -2,6 +2,7 @@
 
   python -m common.pipeline done STAGE [options...]   exit 0 if STAGE's manifest is complete and matches
   python -m common.pipeline report [options...]       write WORK_DIR/report.md from the manifests
+  python -m common.pipeline stages NAME FLAG          the stage that NAME (1-5, 01, a script name) means, or exit 2
 """
 import json
 import sys
@@ -11,12 +12,16 @@ from common.config import parse_config
 
 FOLDERS = {"01_prepare_dataset": "prepared", "02_extract_hidden_states": "hidden_states",
            "03_build_vocab_mapping": "vocab", "04_train": "train", "05_evaluate": "eval"}
-# options whose value a finished stage's manifest must match for the stage to count as done
-KEYS = {"01_prepare_dataset": ["dataset", "num_samples", "seed", "max_turns", "max_seq_len", "regenerate",
-                               "keep_original_answers"],
-        "02_extract_hidden_states": ["hs_dtype"],
+# options whose value a finished stage's manifest must match for the stage to count as done (a changed one
+# re-runs the stage, which resumes what still holds: regeneration chunks and hidden-state files are keyed by
+# the settings they depend on)
+KEYS = {"01_prepare_dataset": ["dataset", "dataset_split", "num_samples", "seed", "shuffle", "dedup", "max_turns",
+                               "max_seq_len", "regenerate", "keep_original_answers", "temperature", "max_new_tokens",
+                               "repetition_penalty", "drop_capped_answers", "drop_reasoning"],
+        "02_extract_hidden_states": ["hs_dtype", "layer_ids"],
         "03_build_vocab_mapping": ["draft_vocab_size"],
-        "04_train": ["epochs", "max_steps", "ttt_steps", "lr", "max_tokens_per_step", "export_format", "hidden_noise", "train_lm_head"],
+        "04_train": ["epochs", "max_steps", "ttt_steps", "ttt_decay", "lr", "warmup_steps", "weight_decay", "grad_clip",
+                     "max_tokens_per_step", "seed", "val_fraction", "export_format", "hidden_noise", "train_lm_head"],
         "05_evaluate": ["eval_dataset", "eval_limit", "num_speculative_tokens", "max_new_tokens", "exact_k_sweep"]}
 
 
@@ -33,8 +38,12 @@ def stage_done(stage, cfg):
     man = manifest(cfg.work_dir, stage)
     if man is None:
         return False
-    if any(man["params"].get(k) != cfg[k] for k in KEYS[stage] if k in man["params"]):
+    if any(man["params"].get(k) != cfg[k] for k in KEYS[stage] if k in man["params"] and cfg[k] is not None):
         return False
+    if "model_dir" in man["params"]:  # another verifier (an HF id and its snapshot folder are the same one)
+        from common.models import resolve_verifier
+        if man["params"]["model_dir"] != resolve_verifier(cfg.verifier, create=False):
+            return False
     if stage == "02_extract_hidden_states":
         prep = manifest(cfg.work_dir, "01_prepare_dataset")
         return bool(prep) and man["params"]["prepared_sha256"] == prep["outputs"]["tokenized_data_sha256"] \
@@ -86,6 +95,13 @@ def report(cfg):
 
 def main(argv):
     cmd = argv[0]
+    if cmd == "stages":  # the wrapper's --from/--only: a stage number or name -> its script, or exit 2
+        for stage in FOLDERS:
+            if argv[1] in (stage, stage[:2], stage[1:2], stage[3:]) or stage.startswith(argv[1] + "_"):
+                print(stage)
+                return 0
+        print(f"error: {argv[2]} {argv[1]}: no such stage; use 1-5 or a name ({', '.join(FOLDERS)})", file=sys.stderr)
+        return 2
     if cmd == "done":
         cfg = parse_config(0, "", argv[2:])
         return 0 if stage_done(argv[1], cfg) else 1

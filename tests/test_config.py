@@ -24,7 +24,7 @@ def test_unknown_yaml_key_suggests(tmp_path):
 
 
 def test_bad_values_refused():
-    with pytest.raises(UsageError, match="--max-seq-len must be >= 1"):
+    with pytest.raises(UsageError, match="--max-seq-len must be >= 2"):
         parse_config(1, "t", ["--max-seq-len", "0"])
     with pytest.raises(UsageError, match="shard-index"):
         parse_config(2, "t", ["--shard-index", "2", "--num-shards", "2"])
@@ -124,3 +124,90 @@ def test_stage_help_shows_its_own_options_and_points_to_the_rest():
     full = run_script("02_extract_hidden_states.py", "--help-all").stdout
     assert "options of the other stages" in full and "--ttt-decay" in full and "--eval-limit" in full
     assert len(full.splitlines()) > len(out.splitlines()) + 60
+
+
+def test_every_alias_maps_to_an_option_we_have_and_keeps_the_value_where_it_means_the_same():
+    from common.config import BY_NAME, flag_name
+    from common.flag_aliases import ALIASES, KEEP_VALUE
+    ours = {flag_name(n) for n in BY_NAME}
+    for alias, (target, _) in ALIASES.items():
+        assert target in ours, (alias, target)
+        with pytest.raises(UsageError) as err:
+            parse_config(4, "t", [alias, "runs/x/prepared" if target == "--work-dir" else "7"])
+        msg = str(err.value)
+        assert msg.startswith(f"unknown option {alias}") and "Traceback" not in msg, msg
+        if target in KEEP_VALUE:
+            assert f"use {target} 7 (" in msg, msg
+        elif target == "--work-dir":
+            assert "use --work-dir runs/x (" in msg, msg
+        else:
+            assert f"use {target} (" in msg, msg
+    assert len(ALIASES) >= 39
+
+
+def outside(o):
+    """A value just outside the option's declared range (ints and floats; list options: one bad element)."""
+    lo, lo_open, hi, hi_open = o.bounds()
+    bad = lo - (0 if lo_open else 1) if lo > float("-inf") else hi + 1
+    if o.type is float and not lo_open:
+        bad = lo - 0.5
+    if hi != float("inf") and o.type is float:
+        bad = hi + (0 if hi_open else 0.5)
+    return bad
+
+
+def test_every_ranged_option_is_refused_outside_its_range_on_the_command_line_and_in_a_file(tmp_path):
+    from common.config import OPTIONS, flag_name
+    ranged = [o for o in OPTIONS if o.range]
+    assert {"lr", "epochs", "ttt_decay", "val_fraction", "gpu_memory_utilization", "num_speculative_tokens",
+            "layer_ids", "max_tokens_per_step", "grad_clip"} <= {o.name for o in ranged}
+    for o in ranged:
+        bad = outside(o)
+        text = str(int(bad) if o.type is not float else bad)
+        with pytest.raises(UsageError) as err:
+            parse_config(0, "t", [flag_name(o.name), text])
+        assert str(err.value).startswith(f"{flag_name(o.name)} must be "), (o.name, str(err.value))
+        cfg_file = tmp_path / f"{o.name}.yaml"
+        cfg_file.write_text(f"{o.name}: {text}\n")
+        with pytest.raises(UsageError, match=f"from {cfg_file}"):
+            parse_config(0, "t", ["--config", str(cfg_file)])
+
+
+@pytest.mark.parametrize("script,args,needle", [
+    ("04_train.py", ["--lr", "-1"], "--lr must be > 0, got -1.0"),
+    ("04_train.py", ["--epochs", "0"], "--epochs must be >= 1, got 0"),
+    ("04_train.py", ["--ttt-decay", "1.5"], "--ttt-decay must be in (0, 1], got 1.5"),
+    ("05_evaluate.py", ["--num-speculative-tokens", "3,0"], "--num-speculative-tokens must be >= 1, got [3, 0]"),
+    ("02_extract_hidden_states.py", ["--gpu-memory-utilization", "1.2"], "--gpu-memory-utilization must be in (0, 1], got 1.2"),
+])
+def test_a_bad_value_is_one_line_and_exit_2_before_anything_runs(script, args, needle, tmp_path):
+    proc = run_script(script, "--work-dir", tmp_path / "nothing-here", *args)
+    assert proc.returncode == 2 and "Traceback" not in proc.output, proc.output[-2000:]
+    assert proc.stderr.strip().splitlines() == [f"error: {needle}"], proc.stderr
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["configs/nope.yaml"], "error: config file configs/nope.yaml not found"),
+    (["--from", "9"], "error: --from '9' names 0 stages"),
+    (["--only", "train", "--from"], "error: --from needs a value"),
+    (["--only", "0"], "error: --only '0' names 0 stages"),
+    (["--only", "_"], "error: --only '_' names 5 stages"),
+    (["--nproc", "two"], "error: --nproc must be a positive integer, got 'two'"),
+])
+def test_the_wrapper_checks_its_own_arguments_before_setup(args, needle, tmp_path):
+    import subprocess
+    env = dict(__import__("os").environ, EAGLE3_VENV=str(tmp_path / "never-made"))
+    proc = subprocess.run(["bash", str(ROOT / "run_pipeline.sh"), *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60, env=env)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip().splitlines()[0].startswith(needle), proc.stderr
+    assert not (tmp_path / "never-made").exists()  # refused before the environment is set up
+
+
+def test_the_wrapper_names_stages_by_number_or_name():
+    import subprocess
+    for given, stage in [("1", "01_prepare_dataset"), ("04", "04_train"), ("train", "04_train"),
+                         ("evaluate", "05_evaluate"), ("vocab", "03_build_vocab_mapping")]:
+        script = f'source <(sed -n "/^STAGES=/,/^}}/p" {ROOT}/run_pipeline.sh); stage_of {given} --only'
+        out = subprocess.run(["bash", "-c", script], capture_output=True, text=True).stdout.strip()
+        assert out == stage, (given, out)

@@ -49,9 +49,14 @@ def test_script_counts_padding_and_full_vocab(tmp_path, verifier_dir, tokenizer)
     proc = run_script("03_build_vocab_mapping.py", "--work-dir", work, "--draft-vocab-size", 100, check=True)
     man = json.loads((work / "vocab" / "manifest.json").read_text())
     assert man["counts"]["padded_ids"] == 100 - len(masked) and "padded" in proc.output
-    run_script("03_build_vocab_mapping.py", "--work-dir", work, "--draft-vocab-size", 60000, check=True)
+    run_script("03_build_vocab_mapping.py", "--work-dir", work, "--draft-vocab-size", 49152, check=True)
     man = json.loads((work / "vocab" / "manifest.json").read_text())
     assert man["counts"]["full_vocabulary"] and not (work / "vocab" / "d2t.npy").exists()
+    # larger than the verifier's vocabulary: a typo, refused before anything is written
+    proc = run_script("03_build_vocab_mapping.py", "--work-dir", work, "--draft-vocab-size", 60000)
+    assert proc.returncode == 2 and "Traceback" not in proc.output
+    assert "exceeds the verifier's vocabulary of 49152; pass 49152" in proc.stderr.strip().splitlines()[-1]
+    assert json.loads((work / "vocab" / "manifest.json").read_text())["counts"]["full_vocabulary"]
 
 
 def test_training_refuses_mismatched_vocab(tmp_path, verifier_dir):
