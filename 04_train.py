@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from common.errors import UsageError, run_main
 from common.export import compare_with_reference, export_draft, serve_command
 from common.prepare import conversation_id, load_prepared, validation_groups
+from common.hidden_states import check_files
 from common.io import read_manifest, write_manifest
 from common.models import open_verifier
 from common.stage import ensure_writable, start
@@ -94,10 +95,19 @@ def main():
     draft_vocab = text_cfg.vocab_size if full else voc_man["counts"]["draft_vocab_size"]
     g = geometry(cfg, text_cfg, draft_vocab, len(layer_ids) - 1)
     hs_dir = Path(cfg.work_dir) / "hidden_states"
-    present = [i for i in range(len(records)) if (hs_dir / f"hs_{i}.safetensors").exists()]
-    if len(present) < 2:
-        raise UsageError(f"only {len(present)} hidden-state files in {hs_dir}; need at least 2 (train + validation)")
-    lengths = {i: len(records[i]["input_ids"]) for i in present}
+    # every file stage 2 wrote (it lists the samples it excluded as bad), checked from its header: seconds
+    excluded = {int(i) for i in hs_man["counts"].get("bad_samples") or {}}
+    lengths = {i: len(r["input_ids"]) for i, r in enumerate(records) if i not in excluded}
+    t0 = time.time()
+    check_files(hs_dir, lengths, len(layer_ids), text_cfg.hidden_size, hs_man["params_hash"])
+    log.info("checked %d hidden-state files in %.1f s", len(lengths), time.time() - t0)
+    if len(lengths) < 2:
+        raise UsageError(f"only {len(lengths)} hidden-state files in {hs_dir}; need at least 2 (train + validation)")
+    longest = max(lengths.values())
+    if longest - 1 > cfg.max_tokens_per_step:
+        raise UsageError(f"the longest sample has {longest} tokens, more than --max-tokens-per-step "
+                         f"{cfg.max_tokens_per_step} (+1 for the shift) holds; raise it to at least {longest - 1}")
+    present = sorted(lengths)
     train_idx, val_idx = split_samples(present, cfg.val_fraction, cfg.seed,
                                        lambda i: conversation_id(records[i]["id"]))
     plan_epochs(train_idx, lengths, cfg, world)  # enough packed sequences for ranks x accumulation?

@@ -15,7 +15,7 @@ die() { echo "error: $*" >&2; exit 2; }
 stage_of() {  # --from/--only: 1-5, 01-05 or (part of) a script name, naming exactly one stage
   local hits=() s
   for s in "${STAGES[@]}"; do
-    if [[ $1 =~ ^0?[1-5]$ ]]; then [[ ${s:1:1} == "${1: -1}" ]] && hits+=("$s")
+    if [[ $1 =~ ^[0-9]+$ ]]; then [[ $1 =~ ^0?[1-5]$ && ${s:1:1} == "${1: -1}" ]] && hits+=("$s")
     elif [[ -n $1 && $s == *"$1"* ]]; then hits+=("$s"); fi
   done
   [[ ${#hits[@]} == 1 ]] || die "$2 '$1' names ${#hits[@]} stages; use 1-5 or a script name (${STAGES[*]})"

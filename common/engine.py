@@ -118,6 +118,12 @@ def make_llm(model, cfg, max_model_len=None, dtype=None, **extra):
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind_groups(workers)
     else:
         extra.setdefault("gpu_memory_utilization", cfg.gpu_memory_utilization)
+        why = v1_runner_reason(extra.get("speculative_config"))
+        if why:  # vLLM #56417 (open): the V1 runner with async scheduling duplicates output tokens on GPUs
+            extra.setdefault("async_scheduling", False)
+            log.warning("vLLM will run its V1 model runner here (%s): async scheduling off (vLLM #56417 duplicates "
+                        "output tokens with it on GPUs)", why)
+        GPU_BASELINE.update(gpu_memory_used())  # what the GPUs held before this engine: close_llm waits for it
     from vllm import LLM
 
     t0 = time.time()
@@ -130,9 +136,10 @@ def make_llm(model, cfg, max_model_len=None, dtype=None, **extra):
     return llm
 
 
-def close_llm(llm):
-    """Shut the engine core and its workers down now, so the next engine finds the GPUs' memory free
-    (at TP=8 a plain `del` left the workers holding memory while the next engine started)."""
+def close_llm(llm, timeout=None):
+    """Shut the engine core and its workers down now, and on GPUs wait until their memory is back to what it
+    was before the engine, so the next engine finds it free (at TP=8 a plain `del` left the workers holding
+    memory while the next engine started; shutdown kills them after 5 s, the driver frees later)."""
     core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
     if core is not None and hasattr(core, "shutdown"):
         core.shutdown()
@@ -141,3 +148,67 @@ def close_llm(llm):
     import torch
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
+    if GPU_BASELINE:
+        wait_gpu_memory(GPU_BASELINE, timeout or float(os.environ.get("EAGLE3_GPU_FREE_TIMEOUT", 300)))
+
+
+def v1_runner_reason(speculative=None):
+    """Why vLLM would run its V1 model runner on a GPU (its default there is Model Runner V2), or None; the
+    rules of vLLM 0.32/0.33's VllmConfig.use_v2_model_runner for what this pipeline builds."""
+    flag = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    if flag is not None:
+        return None if flag.lower() in ("1", "true") else f"VLLM_USE_V2_MODEL_RUNNER={flag}"
+    import importlib.util
+    if importlib.util.find_spec("triton") is None:
+        return "Triton is not installed"
+    spec = speculative or {}
+    if spec.get("method") in ("suffix", "medusa", "mlp_speculator", "custom_class"):
+        return f"speculative method {spec['method']}"
+    if spec.get("parallel_drafting") and spec.get("method") not in ("dflash", "dspark"):
+        return "parallel drafting for EAGLE (P-EAGLE)"
+    return None
+
+
+GPU_BASELINE = {}  # NVML index -> bytes used before this process's latest engine started
+
+
+def _visible_gpus():
+    """NVML indices of the GPUs this process may use (CUDA_VISIBLE_DEVICES as integers; else all)."""
+    import pynvml
+    ids = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if ids and all(x.strip().isdigit() for x in ids.split(",")):
+        return [int(x) for x in ids.split(",")]
+    return list(range(pynvml.nvmlDeviceGetCount()))
+
+
+def gpu_memory_used():
+    """{NVML index: bytes used} of the visible GPUs, without initialising CUDA here (vLLM must still fork its
+    workers); {} where NVML is missing (no NVIDIA driver)."""
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+    except Exception:  # no driver or no nvidia-ml-py: nothing to wait for
+        return {}
+    try:
+        return {i: pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).used for i in _visible_gpus()}
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def wait_gpu_memory(baseline, timeout, slack=2 << 30, poll=1.0):
+    """Block until every GPU in `baseline` uses at most its baseline + `slack` bytes again; UsageError after
+    `timeout` seconds naming the GPUs still held (a leftover engine process would make the next one fail)."""
+    from common.errors import UsageError
+    t0 = time.time()
+    while True:
+        held = {i: used for i, used in gpu_memory_used().items() if i in baseline and used > baseline[i] + slack}
+        if not held:
+            if time.time() - t0 > 2:
+                log.info("GPU memory of the previous engine released after %.0f s", time.time() - t0)
+            return time.time() - t0
+        if time.time() - t0 > timeout:
+            gpus = ", ".join(f"GPU {i} holds {u / 2**30:.1f} GiB (had {baseline[i] / 2**30:.1f})" for i, u in held.items())
+            raise UsageError(f"the previous vLLM engine's GPU memory was not released within {timeout:.0f} s ({gpus}); "
+                             f"look for leftover VLLM::Worker processes in nvidia-smi, stop them, and re-run: finished "
+                             f"work is kept (EAGLE3_GPU_FREE_TIMEOUT sets the wait)")
+        time.sleep(poll)

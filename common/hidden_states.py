@@ -92,3 +92,35 @@ def check_hidden(hidden, token_ids, expected_ids, num_layers, hidden_size):
 
 def disk_estimate(num_tokens, num_layers, hidden_size, hs_dtype):
     return math.ceil(num_tokens * bytes_per_token(num_layers, hidden_size, hs_dtype) * 1.02)
+
+
+def file_problem(path, num_tokens, num_layers, hidden_size, params_hash):
+    """Why a hidden-state file cannot be trained on, from its header alone (a millisecond), or None."""
+    if not path.is_file():
+        return "is missing"
+    try:
+        with safe_open(str(path), "pt") as fh:
+            meta, keys = fh.metadata() or {}, set(fh.keys())
+            if not {"hidden_states", "token_ids", "loss_mask"} <= keys:
+                return f"lacks {sorted({'hidden_states', 'token_ids', 'loss_mask'} - keys)}"
+            shape = tuple(fh.get_slice("hidden_states").get_shape())
+    except Exception as exc:  # truncated, overwritten, not safetensors
+        return f"cannot be read ({str(exc).splitlines()[0][:80]})"
+    if meta.get("params_hash") != params_hash:
+        return "was written by another extraction (other verifier, layers, dtype or prepared data)"
+    if shape != (num_tokens, num_layers, hidden_size):
+        return f"holds hidden states of shape {list(shape)}, not [{num_tokens}, {num_layers}, {hidden_size}]"
+    return None
+
+
+def check_files(folder, lengths, num_layers, hidden_size, params_hash):
+    """Every expected file (lengths: sample index -> tokens) checked from its header; UsageError naming the first
+    bad one and how many there are. Stage 2 redoes exactly the missing and damaged files."""
+    from common.errors import UsageError
+    bad = [(i, why) for i, n in lengths.items()
+           if (why := file_problem(sample_path(folder, i), n, num_layers, hidden_size, params_hash))]
+    if bad:
+        i, why = bad[0]
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise UsageError(f"{sample_path(folder, i)} {why}{more}; re-run 02_extract_hidden_states.py with the same "
+                         f"options: it redoes just those files")

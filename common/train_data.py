@@ -11,6 +11,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from common.draft import OnHost
+from common.errors import UsageError
 from common.hidden_states import read_sample, sample_path
 
 
@@ -70,6 +71,18 @@ def pack(indices, lengths, budget, seed, epoch, window=32):
     return bins
 
 
+def read_checked(path):
+    """A sample file that passed the preflight but fails now (a disk error, a file replaced mid-run) stops the
+    stage with one line; the checkpoints already written are kept and the same command resumes from them."""
+    try:
+        return read_sample(path, torch.bfloat16)
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0][:120] if str(exc).strip() else type(exc).__name__
+        raise UsageError(f"{path} cannot be read mid-training ({first}); re-run 02_extract_hidden_states.py with the "
+                         f"same options (it redoes that file), then this command: training resumes from its last "
+                         f"checkpoint")
+
+
 class PackedDataset(Dataset):
     """Item i = the i-th packed bin, collated into one sequence. embed: the frozen input embedding as a host
     tensor (GPU training, see draft.take_embedding): each batch then carries its tokens' embeddings."""
@@ -81,7 +94,7 @@ class PackedDataset(Dataset):
         return len(self.bins)
 
     def __getitem__(self, i):
-        samples = [read_sample(sample_path(self.folder, idx), torch.bfloat16) for idx in self.bins[i]]
+        samples = [read_checked(sample_path(self.folder, idx)) for idx in self.bins[i]]
         lens = [shifted_len(len(s["token_ids"]), self.budget) for s in samples]
         T, (L, H) = sum(lens), samples[0]["hidden_states"].shape[1:]
         # each sample's states are copied once, straight into the batch (~0.5 GB per 8192 Kimi tokens)

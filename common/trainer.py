@@ -33,20 +33,21 @@ def add_noise(aux, scale, num_aux):
     return (x + torch.randn_like(x, dtype=torch.float32) * (scale * rms)).to(aux.dtype).view_as(aux)
 
 
-RESUME_KEYS = ("epochs", "max_steps", "lr", "warmup_steps", "weight_decay", "grad_clip", "grad_accum",
-               "max_tokens_per_step", "ttt_steps", "ttt_decay", "seed", "val_fraction", "hidden_noise",
+# grad_accum is not among them: a resume on another number of ranks keeps the global batch (ranks x accumulation)
+RESUME_KEYS = ("epochs", "max_steps", "lr", "warmup_steps", "weight_decay", "grad_clip", "max_tokens_per_step", "ttt_steps", "ttt_decay", "seed", "val_fraction", "hidden_noise",
                "train_lm_head")
 
 
-def plan_epochs(train_idx, lengths, cfg, world):
+def plan_epochs(train_idx, lengths, cfg, world, grad_accum=None):
     """Packed sequences per epoch, cut to a multiple of ranks x accumulation: every optimizer step sees
     the same global batch and no gradient is carried into the next epoch (DDP also needs every rank to
     run the same number of backwards). The few dropped sequences differ per epoch (new shuffle)."""
-    per = world * cfg.grad_accum
+    per = world * (grad_accum or cfg.grad_accum)
     epochs = [pack(train_idx, lengths, cfg.max_tokens_per_step, cfg.seed, e) for e in range(cfg.epochs)]
     if len(epochs[0]) < per:
         raise UsageError(f"{len(epochs[0])} packed sequences of {cfg.max_tokens_per_step} tokens per epoch, fewer than "
-                         f"{world} ranks x --grad-accum {cfg.grad_accum}; lower --grad-accum or --max-tokens-per-step")
+                         f"{world} ranks x {per // world} accumulated micro-batches; lower --grad-accum or "
+                         f"--max-tokens-per-step")
     return [b[:len(b) - len(b) % per] for b in epochs]
 
 
@@ -55,6 +56,7 @@ class Trainer:
                  val_groups=None):
         self.cfg, self.device, self.folder, self.out, self.log = cfg, device, folder, Path(out_dir), log
         self.rank, self.world = rank, world
+        self.ckpt_dir = self.out / "checkpoints"
         self.train_idx, self.val_idx, self.lengths = train_idx, val_idx, lengths
         self.bf16 = agreed(use_bf16(device, cfg.amp), device, world)
         self.dtype = torch.bfloat16 if self.bf16 else torch.float32
@@ -69,10 +71,11 @@ class Trainer:
         self.fsdp = world > 1 and cfg.parallel == "fsdp"
         # the model as the ranks run it: itself (one process, or FSDP, which shards it in place) or its DDP wrapper
         self.parallel_model = wrap_parallel(model, device, world, cfg.parallel)
+        self.grad_accum = self._accumulation(cfg.grad_accum)
         self.opt = torch.optim.AdamW(model.trainable_parameters(), lr=cfg.lr, betas=(0.9, 0.95),
                                      weight_decay=cfg.weight_decay, fused=device.type == "cuda")
-        self.epoch_bins = plan_epochs(train_idx, lengths, cfg, world)
-        self.total_steps = sum(len(b) // (world * cfg.grad_accum) for b in self.epoch_bins)
+        self.epoch_bins = plan_epochs(train_idx, lengths, cfg, world, self.grad_accum)
+        self.total_steps = sum(len(b) // (world * self.grad_accum) for b in self.epoch_bins)
         if cfg.max_steps:
             self.total_steps = min(self.total_steps, cfg.max_steps)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg.warmup_steps, self.total_steps))
@@ -84,11 +87,32 @@ class Trainer:
         self.settings["optimizer_layout"] = "fsdp" if self.fsdp else "plain"  # their saved states differ
         self.settings["packing"] = PACKING  # a checkpoint's data position indexes this packing's sequences
         self.settings["split"] = SPLIT
-        self.state = {"step": 0, "epoch": 0, "bin": 0, "best": None, "best_step": None, "tokens": 0,
-                      "train_seconds": 0.0, "settings": self.settings}
-        self.ckpt_dir = self.out / "checkpoints"
+        self.settings["global_batch"] = world * self.grad_accum  # sequences per optimizer step, all ranks together
+        self.settings["data_position"] = "global"  # "seq": sequences of the epoch consumed by all ranks together
+        # an older per-rank position ("bin") is refused by the settings check
+        self.state = {"step": 0, "epoch": 0, "seq": 0, "best": None, "best_step": None, "tokens": 0,
+                      "train_seconds": 0.0, "world_size": world, "settings": self.settings}
         self.metrics_path = self.out / "metrics.jsonl"
         self.data_wait = 0.0  # seconds the loop waited for the loader (logged as a share of each window)
+
+    def _accumulation(self, asked):
+        """Micro-batches per rank per optimizer step: --grad-accum, except when resuming on another number of ranks,
+        where the saved global batch (ranks x accumulation) is kept, so the schedule in optimizer steps and the
+        sequences each step sees stay those of the interrupted run; refused where the new ranks cannot split it."""
+        ckpt = latest_checkpoint(self.ckpt_dir)
+        saved = read_state(ckpt) if ckpt else {}
+        was, batch = saved.get("world_size"), (saved.get("settings") or {}).get("global_batch")
+        if not was or was == self.world or not batch:
+            return asked
+        if batch % self.world:
+            raise UsageError(f"checkpoints in {self.ckpt_dir} were made by {was} ranks with {batch} sequences per "
+                             f"optimizer step; {self.world} ranks cannot split them evenly: resume on a number of ranks "
+                             f"that divides {batch} (e.g. {was}), or use a new --work-dir")
+        accum = batch // self.world
+        self.log.info("resuming a %d-rank run on %d ranks: %d micro-batches per rank per step (--grad-accum %d asked) "
+                      "keep its %d sequences per optimizer step, its schedule and its data order", was, self.world,
+                      accum, asked, batch)
+        return accum
 
     def resume(self):
         ckpt = latest_checkpoint(self.ckpt_dir)
@@ -104,10 +128,11 @@ class Trainer:
             raise UsageError(f"checkpoints in {self.ckpt_dir} were made{older} with other settings ({', '.join(diff)}); "
                              f"use a new --work-dir, or delete {self.out} to start over")
         self.state = load_checkpoint(ckpt, self.model, self.opt, self.sched, self.fsdp)
+        self.state["world_size"] = self.world
         if self.rank == 0:
             self._truncate_metrics(self.state["step"])
         self.log.info("resumed from %s: step %d, epoch %d, sequence %d of the epoch", ckpt, self.state["step"],
-                      self.state["epoch"], self.state["bin"])
+                      self.state["epoch"], self.state["seq"])
         return True
 
     def _truncate_metrics(self, step):
@@ -186,8 +211,8 @@ class Trainer:
         last_log, window = time.time(), self._window()
         while st["epoch"] < cfg.epochs and st["step"] < self.total_steps:
             bins = self.epoch_bins[st["epoch"]]
-            mine = bins[self.rank::self.world]
-            loader = make_loader(self.folder, mine[st["bin"]:], cfg.max_tokens_per_step, cfg.num_workers,
+            # this rank's share of the rest of the epoch: every world-th sequence from the global position on
+            loader = make_loader(self.folder, bins[st["seq"] + self.rank::self.world], cfg.max_tokens_per_step, cfg.num_workers,
                                  pin=self.device.type == "cuda", embed=self.host_embed)
             micro = 0
             step_sums = {}
@@ -198,15 +223,14 @@ class Trainer:
                     batch["aux"] = add_noise(batch["aux"], cfg.hidden_noise, self.model.g.num_aux)
                 with autocast(self.device, self.bf16):
                     loss, metrics = self.parallel_model(batch, cfg.ttt_steps, cfg.ttt_decay)
-                (loss / cfg.grad_accum).backward()
+                (loss / self.grad_accum).backward()
                 accumulate(step_sums, metrics)
-                st["bin"] += 1
+                st["seq"] += self.world  # the ranks move through the epoch together
                 micro += 1
-                if micro % cfg.grad_accum:
+                if micro % self.grad_accum:
                     continue
                 # the global step's tokens (every rank's sequences), from the plan: no communication
-                step_tokens = sum(self._bin_tokens(b) for b in bins[(st["bin"] - cfg.grad_accum) * self.world:
-                                                                     st["bin"] * self.world])
+                step_tokens = sum(self._bin_tokens(b) for b in bins[st["seq"] - self.grad_accum * self.world:st["seq"]])
                 window["tokens"] += step_tokens
                 self._optimizer_step()
                 merge_sums(window["sums"], global_sums(step_sums, self.device, self.world))
@@ -219,21 +243,21 @@ class Trainer:
                 if time.time() - last_log >= min(cfg.log_interval, 10) or st["step"] in (1, self.total_steps):
                     self._log_train(window, step_time)
                     last_log, window = time.time(), self._window()
-                last = st["step"] >= self.total_steps or st["bin"] >= len(mine)  # validated and saved below anyway
+                last = st["step"] >= self.total_steps or st["seq"] >= len(bins)  # validated and saved below anyway
                 if cfg.save_every and st["step"] % cfg.save_every == 0 and not last:
                     paused = self._checkpoint()
                     t_step += paused  # step times and tokens/s leave the save out (it is logged on its own)
                     window["t"] += paused
                 if st["step"] >= self.total_steps:
                     break
-            if st["step"] >= self.total_steps and st["bin"] < len(mine):
+            if st["step"] >= self.total_steps and st["seq"] < len(bins):
                 break
             st["epoch"] += 1
-            st["bin"] = 0
+            st["seq"] = 0
             t0 = time.time()
             self._checkpoint(self.run_validation())
             window["t"] += time.time() - t0
-        if st["bin"] and st.get("validated_step") != st["step"]:  # stopped mid-epoch by --max-steps
+        if st["seq"] and st.get("validated_step") != st["step"]:  # stopped mid-epoch by --max-steps
             self._checkpoint(self.run_validation())
         return st
 
@@ -241,14 +265,18 @@ class Trainer:
         return sum(shifted_len(self.lengths[i], self.cfg.max_tokens_per_step) for i in b)
 
     def _window(self):
-        return {"tokens": 0, "t": time.time(), "sums": {}, "wait": self.data_wait}
+        return {"tokens": 0, "t": time.time(), "sums": {}, "wait": self.data_wait, "epoch": self.state["epoch"],
+                "seq": self.state["seq"]}
 
     def _waited(self, loader):
         """The loader's batches; the seconds spent blocked on each add to self.data_wait."""
         it = iter(loader)
         while True:
             t = time.time()
-            batch = next(it, None)
+            try:
+                batch = next(it, None)
+            except UsageError as exc:  # from a loader worker, it carries the worker's traceback: keep its last line
+                raise UsageError(str(exc).strip().splitlines()[-1].split("UsageError: ", 1)[-1]) from None
             self.data_wait += time.time() - t
             if batch is None:
                 return
@@ -269,7 +297,9 @@ class Trainer:
         row = {"kind": "train", "step": st["step"], "epoch": st["epoch"], "lr": self.sched.get_last_lr()[0],
                "tokens_per_s": round(tps, 1), "step_time_s": round(step_time, 3), "data_wait": round(wait, 3),
                "peak_mem_gb": round(peak_memory_gb(self.device), 2), "tokens": st["tokens"],
-               "train_seconds": round(st["train_seconds"], 3), **s}
+               "train_seconds": round(st["train_seconds"], 3),
+               # the epoch's packed sequences these steps consumed (all ranks): the data position, for a resume's audit
+               "sequences": [window["seq"] if window["epoch"] == st["epoch"] else 0, st["seq"]], **s}
         self._write_metrics(row)
         remaining = (self.total_steps - st["step"]) * (st["train_seconds"] / max(st["step"], 1))
         self.log.info("step %d/%d epoch %d | loss %s | acc %s | lr %.2e | %.0f tok/s | %.2fs/step | data wait %.0f%% | "

@@ -34,6 +34,26 @@ if [[ -n $held && $held != "$kind" ]]; then
   exit 1
 fi
 
+# The GPU stack's own needs, refused in one line before any download: vLLM 0.33 wants Python >= 3.11, and its
+# wheel is a CUDA 13 build (its extensions link libnvrtc.so.13), so the driver must support CUDA 13.
+if [[ $kind == gpu ]]; then
+  pyver=$(python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null || echo none)
+  if [[ $pyver == none || ${pyver%%.*} -lt 3 || ( ${pyver%%.*} -eq 3 && ${pyver#*.} -lt 11 ) ]]; then
+    echo "[setup] the GPU stack (vLLM 0.33) needs Python >= 3.11, and python3 here is $pyver: install Python 3.11" \
+         "or newer (your distribution's python3.11, or uv python install 3.11) and put it first on PATH" >&2
+    exit 2
+  fi
+  cuda=$( (nvidia-smi 2>/dev/null || true) | grep -o 'CUDA Version: *[0-9][0-9.]*' | head -1 | grep -o '[0-9][0-9.]*$' || true)
+  if [[ -z $cuda ]]; then
+    echo "[setup] nvidia-smi reports no CUDA version here (no driver on this node?): the driver check is left to" \
+         "the GPU nodes, which need one that supports CUDA 13 (580 or newer)" >&2
+  elif [[ ${cuda%%.*} -lt 13 ]]; then
+    echo "[setup] vLLM 0.33's CUDA build needs a driver that supports CUDA 13 (580 or newer); nvidia-smi reports" \
+         "CUDA $cuda: update the NVIDIA driver (or use a node that has one)" >&2
+    exit 2
+  fi
+fi
+
 recipe_hash=$(cat scripts/setup_env.sh "$reqs" | sha256sum | cut -c1-16)
 stamp="$VENV/.eagle3-env-$recipe_hash"
 if [ -f "$stamp" ]; then exit 0; fi

