@@ -57,6 +57,10 @@ def main():
     done = [i for i in mine if sample_path(out, i).exists()
             and is_valid(sample_path(out, i), records[i]["input_ids"], params_hash)] if out.exists() else []
     todo = sorted(set(mine) - set(done))
+    stale = [i for i in todo if sample_path(out, i).exists()]
+    if stale:  # a resume with other layers, dtype, verifier or data, or files damaged by a crash or a disk
+        log.info("%d existing files do not match this extraction (other --layer-ids, --hs-dtype, verifier or prepared "
+                 "data, or damaged): they are redone", len(stale))
     tokens_todo = sum(len(records[i]["input_ids"]) for i in todo)
     need = disk_estimate(tokens_todo, len(layer_ids), hidden, cfg.hs_dtype)
     log.info("plan: %d samples (shard %d/%d), %d already done, %d to extract = %d tokens; layers %s of %d "

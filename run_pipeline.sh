@@ -51,12 +51,14 @@ work_dir=$("$PY" -c "import sys; from common.config import parse_config; print(p
   --config "$config" "${pass[@]}") || exit 2
 if [[ $rehearse == 1 ]]; then
   # every stage, model loads included, on a slice in its own folder: a new node meets its failures in the
-  # first hour, not after stage 1's hours. 3 samples per training process (each one packed sequence).
+  # first hour, not after stage 1's hours. 3 samples; under torchrun 8 per rank, so that every rank gets a
+  # packed sequence of 512 tokens (short samples share one).
   work_dir="$work_dir/rehearsal"
-  pass+=(--work-dir "$work_dir" --num-samples $((3 * nproc)) --max-seq-len 512 --max-new-tokens 32
-         --max-tokens-per-step 512 --epochs 1 --max-steps 2
+  slice=$(( nproc == 1 ? 3 : 8 * nproc ))
+  pass+=(--work-dir "$work_dir" --num-samples $slice --max-seq-len 512 --max-new-tokens 32
+         --max-tokens-per-step 512 --epochs 2 --max-steps 2
          --grad-accum 1 --val-fraction 0.2 --save-every 1 --eval-limit 2 --self-check-samples 2)
-  echo "pipeline: rehearsal of $config on $((3 * nproc)) samples in $work_dir (the real run's folder is untouched)"
+  echo "pipeline: rehearsal of $config on $slice samples in $work_dir (the real run's folder is untouched)"
 fi
 mkdir -p "$work_dir/logs"
 combined="$work_dir/logs/pipeline.log"

@@ -117,6 +117,10 @@ def regenerate(convs, tok, cfg, model_dir, out_dir, log):
     the chunk in flight. Returns (conversations, stats).
     """
     folder = Path(out_dir) / f"regen-{regen_key(cfg, model_dir)}"
+    others = sorted(p.name for p in Path(out_dir).glob("regen-*") if p.is_dir() and p != folder)
+    if others:  # a resume with another verifier, temperature, answer length, penalty, seed, length or chunk size
+        log.info("regeneration: chunks made with other settings (%s) are kept but not reused: the verifier, "
+                 "temperature, max new tokens, repetition penalty, seed, max length or chunk size differ", ", ".join(others))
     folder.mkdir(parents=True, exist_ok=True)
     size = cfg.regenerate_chunk
     chunks = [convs[i:i + size] for i in range(0, len(convs), size)]

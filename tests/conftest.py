@@ -101,3 +101,16 @@ def offline_hub(root, repo_id, folder, revision="0123456789abcdef0123456789abcde
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: starts a vLLM engine or trains (the quick subset: -m 'not slow')")
+
+
+# fixtures that start a vLLM engine or train a draft: a test that uses one (directly or through another) is slow
+SLOW_FIXTURES = {"extracted", "kimi_run", "hub_run", "tiny_llama", "regenerated", "single"}
+SLOW_FILES = {"test_pipeline.py", "test_regenerate.py", "test_parity.py", "test_ddp.py", "test_extract_tp.py",
+              "test_kimi_mini.py", "test_kimi_config.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """`-m 'not slow'`: the checks that need no engine and no training (minutes); CI runs everything."""
+    for item in items:
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())) or item.path.name in SLOW_FILES:
+            item.add_marker(pytest.mark.slow)

