@@ -1,0 +1,240 @@
+"""The DFlash block draft in plain PyTorch, with speculators 0.9.0's weight names and maths.
+
+A DFlash draft reads the same features as EAGLE-3 (aux taps, the final pre-norm state for targets) but drafts
+a whole block in one forward: for an anchor position a (a token the verifier has accepted), its block holds
+the anchor token and block_size - 1 mask tokens; slot i predicts the token at a + i.
+
+  fc + hidden_norm:  [aux_1 | .. | aux_n] (nH) -> H, the context c_t for every position t
+  layers (Qwen3):    queries from the block's stream; keys/values from [c_t for t < a in a's document | the
+                     block's own stream] (non-causal within the block); q/k RMS-normed per head, RoPE at the
+                     context's positions and a + i for slot i
+  norm + lm_head:    the block's logits; the target of slot i is the verifier's distribution at a + i - 1
+                     (verifier_lm_head(verifier_norm(h_N))), restricted to the draft vocabulary
+Loss: KL to the target at loss-masked slots 1..block_size-1, weighted per slot (fixed exponential decay, or
+D-PACE: each slot by the smoothed chance that the block gets that far), divided by the masked slot count.
+Slots whose token lies past the anchor's document are masked (speculators lets a block run into the next
+packed document; blocks that stay inside one document compute exactly what speculators computes).
+"""
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from common.draft import RMSNorm, rope_cos_sin, _apply_rope
+
+LOSS_EPS = 1e-5  # speculators' _LOSS_REDUCTION_EPS
+
+
+@dataclass
+class DFlashGeometry:
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    num_layers: int
+    block_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    verifier_vocab_size: int
+    draft_vocab_size: int
+    num_aux: int
+    mask_token_id: int
+    hidden_act: str = "silu"
+
+    def to_dict(self):
+        return asdict(self)
+
+
+class BlockAttention(nn.Module):
+    """Qwen3 attention whose keys/values are [context | the block's own stream] (speculators' Qwen3DFlashAttention)."""
+
+    def __init__(self, g):
+        super().__init__()
+        self.g = g
+        self.q_proj = nn.Linear(g.hidden_size, g.num_heads * g.head_dim, bias=False)
+        self.k_proj = nn.Linear(g.hidden_size, g.num_kv_heads * g.head_dim, bias=False)
+        self.v_proj = nn.Linear(g.hidden_size, g.num_kv_heads * g.head_dim, bias=False)
+        self.o_proj = nn.Linear(g.num_heads * g.head_dim, g.hidden_size, bias=False)
+        self.q_norm = RMSNorm(g.head_dim, g.rms_norm_eps)
+        self.k_norm = RMSNorm(g.head_dim, g.rms_norm_eps)
+
+    def forward(self, x, ctx, rope_ctx, rope_block, mask):
+        """x [Q, H] the blocks' stream, ctx [T, H] the context, rope_*: (cos, sin) tables, mask [Q, T + Q] bool."""
+        g = self.g
+        q = self.q_norm(self.q_proj(x).view(-1, g.num_heads, g.head_dim))
+        kv_in = torch.cat([ctx, x])
+        k = self.k_norm(self.k_proj(kv_in).view(-1, g.num_kv_heads, g.head_dim))
+        v = self.v_proj(kv_in).view(-1, g.num_kv_heads, g.head_dim)
+        cos = torch.cat([rope_ctx[0], rope_block[0]])[:, None]
+        sin = torch.cat([rope_ctx[1], rope_block[1]])[:, None]
+        q = _apply_rope(q, rope_block[0][:, None], rope_block[1][:, None])
+        k = _apply_rope(k, cos, sin)
+        rep = g.num_heads // g.num_kv_heads
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                             attn_mask=mask, scale=g.head_dim ** -0.5)
+        return self.o_proj(out.transpose(0, 1).reshape(x.shape[0], -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, g):
+        super().__init__()
+        self.gate_proj = nn.Linear(g.hidden_size, g.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(g.hidden_size, g.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(g.intermediate_size, g.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class BlockLayer(nn.Module):
+    def __init__(self, g):
+        super().__init__()
+        self.input_layernorm = RMSNorm(g.hidden_size, g.rms_norm_eps)
+        self.self_attn = BlockAttention(g)
+        self.post_attention_layernorm = RMSNorm(g.hidden_size, g.rms_norm_eps)
+        self.mlp = MLP(g)
+
+    def forward(self, x, ctx, rope_ctx, rope_block, mask):
+        h = x + self.self_attn(self.input_layernorm(x), ctx, rope_ctx, rope_block, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def select_anchors(loss_mask, max_anchors, block_size, generator=None):
+    """Up to max_anchors loss-masked positions, at random, sorted; the last block_size positions of the packed
+    sequence are never anchors (as speculators). -> LongTensor [n]."""
+    valid = loss_mask.bool().clone()
+    valid[-block_size:] = False
+    idx = valid.nonzero().squeeze(-1)
+    perm = torch.randperm(idx.numel(), generator=generator, device=idx.device)[:max_anchors]
+    return idx[perm].sort().values
+
+
+def block_mask(doc, anchors, block_size):
+    """[Q, T + Q] bool: slot rows of anchor j see context positions < a_j of a_j's document and their own block."""
+    T, n = doc.shape[0], anchors.shape[0]
+    qa = anchors.repeat_interleave(block_size)  # each query row's anchor
+    t = torch.arange(T, device=doc.device)
+    ctx = (doc[None, :] == doc[qa][:, None]) & (t[None, :] < qa[:, None])
+    blk = torch.arange(n, device=doc.device).repeat_interleave(block_size)
+    own = blk[:, None] == blk[None, :]
+    return torch.cat([ctx, own], dim=1)
+
+
+def slot_weights(kind, slot, mask, elementwise, block_size, gamma, dpace_alpha):
+    """Per-slot loss weights [Q]. fixed: exp(-(i - 1) / gamma) for slot i >= 1 (speculators' dflash_loss_decay);
+    dpace: sum over the slots m >= i of the smoothed chance that slots 1..m are all accepted (D-PACE)."""
+    if kind == "fixed":
+        return torch.exp(-(slot - 1).clamp(min=0).float() / gamma) * (slot != 0)
+    with torch.no_grad():
+        q = torch.exp(-elementwise).float().view(-1, block_size)
+        m = mask.view(-1, block_size).float()
+        smooth = torch.where(m > 0, (1 - dpace_alpha) * q + dpace_alpha, torch.ones_like(q))
+        prefix = torch.cumprod(smooth, dim=-1)
+        return (torch.flip(torch.cumsum(torch.flip(prefix * m, [-1]), -1), [-1]) * m).view(-1)
+
+
+class DFlashDraft(nn.Module):
+    """Trainable: fc, hidden_norm, layers, norm (and lm_head with --train-lm-head); frozen: embed_tokens, the draft
+    lm_head (the verifier's rows of the draft vocab), verifier_norm, verifier_lm_head."""
+
+    def __init__(self, g):
+        super().__init__()
+        self.g = g
+        self.embed_tokens = nn.Embedding(g.verifier_vocab_size, g.hidden_size)
+        self.fc = nn.Linear(g.num_aux * g.hidden_size, g.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(g.hidden_size, g.rms_norm_eps)
+        self.layers = nn.ModuleList(BlockLayer(g) for _ in range(g.num_layers))
+        self.norm = RMSNorm(g.hidden_size, g.rms_norm_eps)
+        self.lm_head = nn.Linear(g.hidden_size, g.draft_vocab_size, bias=False)
+        self.verifier_lm_head = nn.Linear(g.hidden_size, g.draft_vocab_size, bias=False)
+        self.verifier_norm = RMSNorm(g.hidden_size, g.rms_norm_eps)
+        self.register_buffer("d2t", torch.zeros(g.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(g.verifier_vocab_size, dtype=torch.bool))
+        for m in (self.embed_tokens, self.lm_head, self.verifier_lm_head, self.verifier_norm):
+            m.requires_grad_(False)
+
+    def trainable_parameters(self):
+        return [p for p in self.parameters() if p.requires_grad]
+
+    def block_logits(self, aux, ids, pos, doc, anchors):
+        """-> logits [n * block_size, draft vocab] of the blocks anchored at `anchors` (positions in the packed
+        sequence); aux [T, n_aux * H], ids/pos/doc [T] (pos: position in its document)."""
+        g, bs = self.g, self.g.block_size
+        stream = torch.full((anchors.numel() * bs,), g.mask_token_id, dtype=torch.long, device=ids.device)
+        stream[::bs] = ids[anchors]
+        x = self.embed_tokens(stream)
+        ctx = self.hidden_norm(self.fc(aux))
+        offsets = torch.arange(bs, device=ids.device)
+        block_pos = (pos[anchors][:, None] + offsets[None]).reshape(-1)
+        rope_ctx = rope_cos_sin(pos, g.head_dim, g.rope_theta, x.dtype)
+        rope_block = rope_cos_sin(block_pos, g.head_dim, g.rope_theta, x.dtype)
+        mask = block_mask(doc, anchors, bs)
+        for layer in self.layers:
+            x = layer(x, ctx, rope_ctx, rope_block, mask)
+        return self.lm_head(self.norm(x))
+
+    def targets_and_mask(self, target_hidden, loss_mask, doc, anchors):
+        """The verifier's logits for each slot (at a + i - 1) and the slots that count: loss-masked, inside the
+        anchor's document, not slot 0."""
+        bs, T = self.g.block_size, target_hidden.shape[0]
+        idx = (anchors[:, None] + torch.arange(bs, device=anchors.device)[None]).reshape(-1)
+        with torch.no_grad():
+            targets = self.verifier_lm_head(self.verifier_norm(target_hidden[(idx - 1) % T]))
+        inside = idx < T
+        idx = idx.clamp(max=T - 1)
+        mask = loss_mask[idx].bool() & inside & (doc[idx] == doc[anchors].repeat_interleave(bs))
+        mask = mask.view(-1, bs)
+        mask[:, 0] = False
+        return targets, mask.view(-1)
+
+    def forward(self, batch, max_anchors=512, weighting="fixed", gamma=4.0, dpace_alpha=0.5, anchors=None,
+                generator=None):
+        """-> (loss, metrics) on one packed sequence. batch: aux [T, n_aux * H], target_hidden [T, H], ids,
+        loss_mask, doc, pos [T], unshifted (position t holds token t and the states computed at t)."""
+        bs = self.g.block_size
+        if anchors is None:
+            anchors = select_anchors(batch["loss_mask"], max_anchors, bs, generator)
+        logits = self.block_logits(batch["aux"], batch["ids"], batch["pos"], batch["doc"], anchors)
+        targets, mask = self.targets_and_mask(batch["target_hidden"], batch["loss_mask"], batch["doc"], anchors)
+        logp = F.log_softmax(logits.float(), -1)
+        p = F.softmax(targets.float(), -1)
+        kl = F.kl_div(logp, p, reduction="none").sum(-1) * mask
+        slot = torch.arange(logits.shape[0], device=logits.device) % bs
+        w = slot_weights(weighting, slot, mask, kl, bs, gamma, dpace_alpha)
+        loss = (kl * w).sum() / (mask.sum() + LOSS_EPS)
+        return loss, block_metrics(logits, targets, mask, kl, bs)
+
+
+def block_metrics(logits, targets, mask, kl, bs):
+    """The keys EAGLE-3's training reports, per draft slot k = 0..bs-2 (slot k + 1 of the block): KL, and accuracy
+    of the first k + 1 drafts all right (full) and of draft k given the earlier ones right (cond), so that the
+    simulated acceptance length 1 + sum_k full_acc_k is the mean accepted run of a block plus the bonus token."""
+    with torch.no_grad():
+        right = (logits.argmax(-1) == targets.argmax(-1)).view(-1, bs)[:, 1:]
+        valid = mask.view(-1, bs)[:, 1:]
+        chain = torch.ones_like(right[:, 0])
+        out = {}
+        for k in range(bs - 1):
+            ok = right[:, k] & valid[:, k]
+            before = chain & valid[:, k]
+            out[f"loss_{k}"] = (kl.view(-1, bs)[:, k + 1].sum() / valid[:, k].sum().clamp(min=1)).detach()
+            out[f"full_correct_{k}"] = (ok & chain).sum()
+            out[f"full_total_{k}"] = valid[:, k].sum()
+            out[f"cond_correct_{k}"] = (ok & chain).sum()
+            out[f"cond_total_{k}"] = before.sum()
+            chain = chain & ok
+        return out
+
+
+def geometry_note(g):
+    """One line for logs and dry runs."""
+    params = g.num_layers * (2 * g.hidden_size * g.num_heads * g.head_dim + 2 * g.hidden_size * g.num_kv_heads
+                             * g.head_dim + 3 * g.hidden_size * g.intermediate_size) + g.num_aux * g.hidden_size ** 2
+    return (f"DFlash: {g.num_layers} layers, block {g.block_size}, heads {g.num_heads}/{g.num_kv_heads} x "
+            f"{g.head_dim}, MLP {g.intermediate_size}, {params / 1e6:.1f}M trainable, mask token {g.mask_token_id}")
+
+

@@ -1,0 +1,117 @@
+"""Our DFlash block draft (common/dflash.py) against speculators 0.9.0's DFlashDraftModel on one packed batch:
+the same weight names (one state dict loads into both), the same block logits, the same loss with fixed and
+D-PACE slot weights, the same accepted length per block."""
+import pytest
+import torch
+
+from common.dflash import DFlashDraft, DFlashGeometry, block_mask
+
+V, VD, H, BS = 211, 64, 64, 4
+
+
+def reference(g):
+    """speculators' DFlashDraftModel at geometry g, random weights (its frozen pieces start as NaN)."""
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from transformers import Qwen3Config
+    layer = Qwen3Config(vocab_size=V, hidden_size=H, intermediate_size=g.intermediate_size,
+                        num_hidden_layers=g.num_layers, num_attention_heads=g.num_heads,
+                        num_key_value_heads=g.num_kv_heads, head_dim=g.head_dim, rms_norm_eps=g.rms_norm_eps,
+                        rope_parameters={"rope_type": "default", "rope_theta": g.rope_theta},
+                        max_position_embeddings=g.max_position_embeddings)
+    layer._attn_implementation = "sdpa"  # its flex-attention default has no CPU backward
+    conf = DFlashSpeculatorConfig(
+        transformer_layer_config=layer, draft_vocab_size=VD, block_size=BS, aux_hidden_state_layer_ids=[1, 2, 3],
+        mask_token_id=g.mask_token_id,
+        speculators_config=SpeculatorsConfig(
+            algorithm="dflash", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=BS - 1)],
+            default_proposal_method="greedy", verifier=VerifierConfig(name_or_path="x", architectures=["X"])))
+    torch.manual_seed(0)
+    ref = DFlashDraftModel(conf).float()
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if name.endswith("norm.weight") else 0.2 * torch.randn_like(p))
+        rows = torch.randperm(V)[:VD].sort().values
+        ref.d2t.copy_(rows - torch.arange(VD))
+        ref.t2d.zero_()
+        ref.t2d[rows] = True
+    return ref.eval()
+
+
+def geometry(layers=2):
+    return DFlashGeometry(hidden_size=H, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=96,
+                          num_layers=layers, block_size=BS, rms_norm_eps=1e-6, rope_theta=10000.0,
+                          max_position_embeddings=512, verifier_vocab_size=V, draft_vocab_size=VD, num_aux=3,
+                          mask_token_id=V - 1)
+
+
+def batch(lengths=(23, 17)):
+    """Two packed documents: random aux taps and final states; loss on every token after the first three."""
+    torch.manual_seed(1)
+    T = sum(lengths)
+    doc = torch.cat([torch.full((n,), j) for j, n in enumerate(lengths)])
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    mask = (pos >= 3).long()
+    return {"aux": torch.randn(T, 3 * H), "target_hidden": 3 * torch.randn(T, H), "ids": torch.randint(0, V - 1, (T,)),
+            "loss_mask": mask, "doc": doc, "pos": pos}
+
+
+def run_reference(ref, b, anchors, weighting, monkeypatch):
+    """speculators' forward with its random anchor choice replaced by ours."""
+    import speculators.models.dflash.core as core
+    from speculators.losses import resolve_loss_config
+    monkeypatch.setattr(core, "select_anchors", lambda *a, **k: (anchors, torch.ones_like(anchors, dtype=torch.bool)))
+    with torch.no_grad():
+        _, logits, _, _, _ = ref._backbone_forward(
+            b["aux"][None], b["ids"][None], b["loss_mask"][None], b["target_hidden"][None], b["doc"][None],
+            b["pos"][None], max_anchors=len(anchors))
+        _, loss, metrics = ref(
+            hidden_states=b["aux"][None], input_ids=b["ids"][None], loss_mask=b["loss_mask"][None],
+            verifier_last_hidden_states=b["target_hidden"][None], document_ids=b["doc"][None],
+            position_ids=b["pos"][None], loss_config=resolve_loss_config("kl_div", "eager"), gamma=4.0,
+            max_anchors=len(anchors), per_position_loss_weight="dpace" if weighting == "dpace" else "fixed-exp-decay",
+            dpace_alpha=0.5)
+    return logits[0], loss, metrics
+
+
+@pytest.mark.parametrize("weighting", ["fixed", "dpace"])
+def test_same_names_logits_loss_and_accepted_length_as_speculators(weighting, monkeypatch):
+    g = geometry()
+    ref = reference(g)
+    ours = DFlashDraft(g).float().eval()
+    missing, unexpected = ours.load_state_dict(ref.state_dict(), strict=False)
+    assert not missing and not unexpected, (missing, unexpected)  # speculators' weight names, all of them
+    b = batch()
+    # anchors whose blocks stay inside their document (speculators lets a block run into the next one)
+    anchors = torch.tensor([3, 7, 12, 18, 26, 30, 34])
+    ref_logits, ref_loss, ref_metrics = run_reference(ref, b, anchors, weighting, monkeypatch)
+    with torch.no_grad():
+        logits = ours.block_logits(b["aux"], b["ids"], b["pos"], b["doc"], anchors)
+        loss, metrics = ours(b, weighting=weighting, anchors=anchors)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    ours_eal = 1 + sum(float(metrics[f"full_correct_{k}"]) / float(metrics[f"full_total_{k}"]) for k in range(BS - 1))
+    assert ours_eal == pytest.approx(float(ref_metrics["eal_sum"] / ref_metrics["eal_total"]), abs=1e-6)
+    for k in range(BS - 1):  # slot k + 1's accuracy alone is speculators' position accuracy
+        assert metrics[f"full_total_{k}"] == ref_metrics[f"position_{k + 1}_acc_total"]
+
+
+def test_a_block_never_sees_later_context_or_another_document():
+    doc = torch.tensor([0, 0, 0, 0, 0, 1, 1, 1, 1, 1])
+    m = block_mask(doc, torch.tensor([2, 6]), 3)
+    T = len(doc)
+    assert m.shape == (6, T + 6)
+    assert m[:3, :T].tolist() == [[True, True] + [False] * 8] * 3  # anchor 2: context 0, 1 of document 0
+    assert m[3:, :T].tolist() == [[False] * 5 + [True] + [False] * 4] * 3  # anchor 6: only position 5
+    assert m[:3, T:T + 3].all() and not m[:3, T + 3:].any() and m[3:, T + 3:].all()  # own block, all of it
+
+
+def test_slots_past_the_anchors_document_carry_no_loss():
+    g = geometry(layers=1)
+    ours = DFlashDraft(g)
+    b = batch((10, 10))
+    b["loss_mask"] = torch.ones(20, dtype=torch.long)
+    _, mask = ours.targets_and_mask(b["target_hidden"], b["loss_mask"], b["doc"], torch.tensor([8, 4]))
+    # anchor 8: slot 1 is token 9 (its document), slots 2-3 are tokens 10-11 (the next document)
+    assert mask.view(-1, BS).tolist() == [[False, True, False, False], [False, True, True, True]]
