@@ -1,23 +1,21 @@
 """The draft model for stage 4: its geometry from the verifier's config, its frozen pieces from the verifier's weights."""
 import torch
 
+from common.dflash import DFlashDraft, DFlashGeometry
 from common.draft import DraftGeometry, Eagle3Draft
 from common.errors import UsageError
 from common.models import load_verifier_pieces
 
 
-def geometry(cfg, text_cfg, draft_vocab, num_aux):
-    heads = cfg.draft_num_heads or text_cfg.num_attention_heads
-    rope_theta = getattr(text_cfg, "rope_theta", None) or \
-        (getattr(text_cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+def geometry(cfg, text_cfg, draft_vocab, num_aux, mask_token_id=None):
+    """The draft's shapes: the verifier's unless --draft-* options say otherwise; DFlash adds its block."""
+    if getattr(cfg, "draft_method", "eagle3") == "dflash":
+        return dflash_geometry(cfg, text_cfg, draft_vocab, num_aux, mask_token_id)
+    if getattr(cfg, "draft_layers", 0) not in (0, 1):
+        raise UsageError(f"--draft-layers {cfg.draft_layers}: an EAGLE-3 draft has one layer (vLLM serves one); "
+                         f"more layers are for --draft-method dflash")
     g = DraftGeometry(
-        hidden_size=text_cfg.hidden_size, num_heads=heads,
-        num_kv_heads=cfg.draft_num_kv_heads or getattr(text_cfg, "num_key_value_heads", None) or heads,
-        head_dim=cfg.draft_head_dim or getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // heads,
-        intermediate_size=cfg.draft_intermediate_size or text_cfg.intermediate_size,
-        rms_norm_eps=getattr(text_cfg, "rms_norm_eps", 1e-6), rope_theta=float(rope_theta),
-        max_position_embeddings=getattr(text_cfg, "max_position_embeddings", 4096),
-        verifier_vocab_size=text_cfg.vocab_size, draft_vocab_size=draft_vocab, num_aux=num_aux,
+        **_shared(cfg, text_cfg), draft_vocab_size=draft_vocab, num_aux=num_aux,
         norm_before_residual=cfg.norm_before_residual, norm_before_fc=cfg.draft_norms == "norm-before-fc",
         fc_norm=cfg.draft_norms == "fc-norm", norm_output=cfg.draft_norms != "eagle3")
     if g.num_heads % g.num_kv_heads:
@@ -25,15 +23,53 @@ def geometry(cfg, text_cfg, draft_vocab, num_aux):
     return g
 
 
+def _shared(cfg, text_cfg):
+    heads = cfg.draft_num_heads or text_cfg.num_attention_heads
+    rope_theta = getattr(text_cfg, "rope_theta", None) or \
+        (getattr(text_cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    return dict(hidden_size=text_cfg.hidden_size, num_heads=heads,
+                num_kv_heads=cfg.draft_num_kv_heads or getattr(text_cfg, "num_key_value_heads", None) or heads,
+                head_dim=cfg.draft_head_dim or getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // heads,
+                intermediate_size=cfg.draft_intermediate_size or text_cfg.intermediate_size,
+                rms_norm_eps=getattr(text_cfg, "rms_norm_eps", 1e-6), rope_theta=float(rope_theta),
+                max_position_embeddings=getattr(text_cfg, "max_position_embeddings", 4096),
+                verifier_vocab_size=text_cfg.vocab_size)
+
+
+def dflash_geometry(cfg, text_cfg, draft_vocab, num_aux, mask_token_id):
+    g = DFlashGeometry(**_shared(cfg, text_cfg), draft_vocab_size=draft_vocab, num_aux=num_aux,
+                       num_layers=cfg.draft_layers or 5, block_size=cfg.block_size, mask_token_id=mask_token_id)
+    if g.num_heads % g.num_kv_heads:
+        raise UsageError(f"draft heads {g.num_heads} must be a multiple of draft KV heads {g.num_kv_heads}")
+    return g
+
+
+def resolve_mask_token(tok, vocab_size):
+    """The token DFlash feeds for the positions it drafts, as speculators resolves it: the tokenizer's mask token,
+    else the first embedding row no token uses, else pad / eos / unk. -> (id, where it came from)."""
+    if tok.mask_token_id is not None:
+        return tok.mask_token_id, f"the tokenizer's mask token {tok.mask_token!r}"
+    if len(tok) < vocab_size:
+        return len(tok), f"the first embedding row no token uses ({len(tok)} of {vocab_size})"
+    for name in ("pad", "eos", "unk"):
+        if getattr(tok, f"{name}_token_id", None) is not None:
+            return getattr(tok, f"{name}_token_id"), f"the {name} token {getattr(tok, f'{name}_token')!r} (no mask " \
+                f"token, no unused embedding row)"
+    raise UsageError(f"the verifier's tokenizer ({tok.name_or_path}) has no mask token, no unused embedding row and no "
+                     f"pad/eos/unk token: a DFlash draft has nothing to feed for the positions it drafts; use "
+                     f"--draft-method eagle3, or add a mask token to the verifier's tokenizer")
+
+
 def build_model(g, model_dir, target_ids, trained=None, train_head=False):
     """Draft with frozen pieces from the verifier: embeddings, draft lm_head = verifier rows of the draft vocab
     (trained further with train_head). trained: trainable weights from a checkpoint, loaded instead of a
     random init (which takes half a minute for a Kimi-size draft on the one CPU thread torchrun leaves each rank)."""
+    cls = DFlashDraft if isinstance(g, DFlashGeometry) else Eagle3Draft
     if trained is None:
-        model = Eagle3Draft(g)
+        model = cls(g)
     else:
         with torch.device("meta"):
-            model = Eagle3Draft(g)
+            model = cls(g)
         model.to_empty(device="cpu")
     model.lm_head.requires_grad_(train_head)
     if trained is not None:

@@ -136,6 +136,22 @@ OPTIONS = [
         "with one RMSNorm per aux layer)", stages="4", choices=("eagle3", "norm-before-fc", "fc-norm")),
     Opt("norm_before_residual", _bool, True, "draft layer normalises the hidden input before the residual",
         stages="4", flag=True),
+    # block drafts (DFlash): the same hidden states, one forward drafts a whole block
+    Opt("draft_method", str, "eagle3", "draft to train and serve: eagle3 (one forward per drafted token, the TTT "
+        "unroll) or dflash (a block of tokens per forward from a non-causal stack)", stages="45",
+        choices=("eagle3", "dflash")),
+    Opt("block_size", int, 16, "dflash: tokens per block, the anchor (the last accepted token) plus block_size - 1 "
+        "drafted ones (vLLM's num_speculative_tokens)", stages="45", range="[2, inf)"),
+    Opt("draft_layers", int, 0, "draft decoder layers (0 = the method's default: eagle3 1, dflash 5)", stages="4",
+        range="[0, inf)"),
+    Opt("max_anchors", int, 512, "dflash: blocks drawn per packed sequence, anchored at random loss-masked positions",
+        stages="4", range="[1, inf)"),
+    Opt("block_loss", str, "ce", "dflash: per-slot loss, cross-entropy to the verifier's top token (speculators' recipe) "
+        "or KL to its distribution", stages="4", choices=("ce", "kl")),
+    Opt("block_weights", str, "dpace", "dflash: per-slot loss weights, dpace (each slot by the smoothed chance the "
+        "block gets that far) or fixed (exp(-(slot - 1) / --block-decay-gamma))", stages="4", choices=("dpace", "fixed")),
+    Opt("block_decay_gamma", float, 4.0, "dflash: decay of the fixed slot weights", stages="4", range="(0, inf)"),
+    Opt("dpace_alpha", float, 0.5, "dflash: D-PACE's confidence smoothing", stages="4", range="(0, 1]"),
     Opt("device", str, "auto", "training device: auto, cpu, cuda", stages="4"),
     Opt("parallel", str, "ddp", "several processes (torchrun): ddp replicates the draft, fsdp shards its "
         "trainable weights, gradients and optimizer state", stages="4", choices=("ddp", "fsdp")),

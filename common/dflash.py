@@ -10,8 +10,9 @@ the anchor token and block_size - 1 mask tokens; slot i predicts the token at a 
                      context's positions and a + i for slot i
   norm + lm_head:    the block's logits; the target of slot i is the verifier's distribution at a + i - 1
                      (verifier_lm_head(verifier_norm(h_N))), restricted to the draft vocabulary
-Loss: KL to the target at loss-masked slots 1..block_size-1, weighted per slot (fixed exponential decay, or
-D-PACE: each slot by the smoothed chance that the block gets that far), divided by the masked slot count.
+Loss at loss-masked slots 1..block_size-1: cross-entropy to the verifier's top token (speculators' DFlash recipe)
+or KL to its distribution, weighted per slot (fixed exponential decay, or D-PACE: each slot by the smoothed
+chance that the block gets that far), divided by the masked slot count.
 Slots whose token lies past the anchor's document are masked (speculators lets a block run into the next
 packed document; blocks that stay inside one document compute exactly what speculators computes).
 """
@@ -61,22 +62,55 @@ class BlockAttention(nn.Module):
         self.q_norm = RMSNorm(g.head_dim, g.rms_norm_eps)
         self.k_norm = RMSNorm(g.head_dim, g.rms_norm_eps)
 
-    def forward(self, x, ctx, rope_ctx, rope_block, mask):
-        """x [Q, H] the blocks' stream, ctx [T, H] the context, rope_*: (cos, sin) tables, mask [Q, T + Q] bool."""
+    def forward(self, x, ctx, rope_ctx, rope_block, plan):
+        """x [Q, H] the blocks' stream, ctx [T, H] the context, rope_*: (cos, sin) tables, plan: block_plan()."""
         g = self.g
         q = self.q_norm(self.q_proj(x).view(-1, g.num_heads, g.head_dim))
-        kv_in = torch.cat([ctx, x])
-        k = self.k_norm(self.k_proj(kv_in).view(-1, g.num_kv_heads, g.head_dim))
-        v = self.v_proj(kv_in).view(-1, g.num_kv_heads, g.head_dim)
-        cos = torch.cat([rope_ctx[0], rope_block[0]])[:, None]
-        sin = torch.cat([rope_ctx[1], rope_block[1]])[:, None]
+        k = self.k_norm(self.k_proj(torch.cat([ctx, x])).view(-1, g.num_kv_heads, g.head_dim))
+        v = self.v_proj(torch.cat([ctx, x])).view(-1, g.num_kv_heads, g.head_dim)
         q = _apply_rope(q, rope_block[0][:, None], rope_block[1][:, None])
-        k = _apply_rope(k, cos, sin)
+        k = _apply_rope(k, torch.cat([rope_ctx[0], rope_block[0]])[:, None], torch.cat([rope_ctx[1], rope_block[1]])[:, None])
         rep = g.num_heads // g.num_kv_heads
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                             attn_mask=mask, scale=g.head_dim ** -0.5)
+        k, v = k.repeat_interleave(rep, dim=1).transpose(0, 1), v.repeat_interleave(rep, dim=1).transpose(0, 1)
+        out = block_attention(q.transpose(0, 1), k, v, ctx.shape[0], plan, g.block_size, g.head_dim ** -0.5)
         return self.o_proj(out.transpose(0, 1).reshape(x.shape[0], -1))
+
+
+def block_plan(doc, anchors, block_size):
+    """Per document holding anchors (they are sorted): (first and last block, its context [start, end), the
+    anchors relative to start). Bookkeeping on the host; the attention then costs each document's blocks x its
+    context, not every block x the packed length (speculators' dense mask)."""
+    doc, anchors = doc.cpu(), anchors.cpu()
+    starts = torch.cat([torch.tensor([0]), (doc[1:] != doc[:-1]).nonzero().squeeze(-1) + 1])
+    ends = torch.cat([starts[1:], torch.tensor([len(doc)])])
+    of = torch.searchsorted(starts, anchors, right=True) - 1  # each anchor's document
+    plan, j = [], 0
+    while j < len(anchors):
+        d = of[j]
+        n = int((of[j:] == d).sum())
+        s, e = int(starts[d]), int(ends[d])
+        plan.append((j, j + n, s, int(anchors[j + n - 1]), anchors[j:j + n] - s))
+        j += n
+    return plan
+
+
+def block_attention(q, k, v, T, plan, bs, scale):
+    """q [h, Q, D] the blocks' queries; k/v [h, T + Q, D] (context, then the blocks). A block's queries see the context
+    of its document before its anchor and every query of their own block, in one softmax."""
+    out = torch.empty_like(q)
+    for b0, b1, s, last, rel in plan:
+        n, h, D = b1 - b0, q.shape[0], q.shape[-1]
+        qd = q[:, b0 * bs:b1 * bs].view(h, n, bs, D)
+        kc, vc = k[:, s:last], v[:, s:last]  # the context any of these blocks can see
+        ko, vo = (t[:, T + b0 * bs:T + b1 * bs].reshape(h, n, bs, D) for t in (k, v))
+        sc = torch.einsum("hnqd,hkd->hnqk", qd, kc) * scale
+        seen = torch.arange(last - s, device=q.device)[None, :] < rel.to(q.device)[:, None]  # [n, ctx]
+        sc = sc.masked_fill(~seen[None, :, None, :], float("-inf"))
+        so = torch.einsum("hnqd,hnkd->hnqk", qd, ko) * scale
+        p = torch.softmax(torch.cat([sc, so], -1).float(), -1).to(q.dtype)
+        o = torch.einsum("hnqk,hkd->hnqd", p[..., :last - s], vc) + torch.einsum("hnqk,hnkd->hnqd", p[..., last - s:], vo)
+        out[:, b0 * bs:b1 * bs] = o.reshape(h, n * bs, D)
+    return out
 
 
 class MLP(nn.Module):
@@ -98,8 +132,8 @@ class BlockLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(g.hidden_size, g.rms_norm_eps)
         self.mlp = MLP(g)
 
-    def forward(self, x, ctx, rope_ctx, rope_block, mask):
-        h = x + self.self_attn(self.input_layernorm(x), ctx, rope_ctx, rope_block, mask)
+    def forward(self, x, ctx, rope_ctx, rope_block, plan):
+        h = x + self.self_attn(self.input_layernorm(x), ctx, rope_ctx, rope_block, plan)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -111,17 +145,6 @@ def select_anchors(loss_mask, max_anchors, block_size, generator=None):
     idx = valid.nonzero().squeeze(-1)
     perm = torch.randperm(idx.numel(), generator=generator, device=idx.device)[:max_anchors]
     return idx[perm].sort().values
-
-
-def block_mask(doc, anchors, block_size):
-    """[Q, T + Q] bool: slot rows of anchor j see context positions < a_j of a_j's document and their own block."""
-    T, n = doc.shape[0], anchors.shape[0]
-    qa = anchors.repeat_interleave(block_size)  # each query row's anchor
-    t = torch.arange(T, device=doc.device)
-    ctx = (doc[None, :] == doc[qa][:, None]) & (t[None, :] < qa[:, None])
-    blk = torch.arange(n, device=doc.device).repeat_interleave(block_size)
-    own = blk[:, None] == blk[None, :]
-    return torch.cat([ctx, own], dim=1)
 
 
 def slot_weights(kind, slot, mask, elementwise, block_size, gamma, dpace_alpha):
@@ -140,6 +163,7 @@ def slot_weights(kind, slot, mask, elementwise, block_size, gamma, dpace_alpha):
 class DFlashDraft(nn.Module):
     """Trainable: fc, hidden_norm, layers, norm (and lm_head with --train-lm-head); frozen: embed_tokens, the draft
     lm_head (the verifier's rows of the draft vocab), verifier_norm, verifier_lm_head."""
+    shift = 0  # its batches are not shifted: position t holds token t and the states computed at t
 
     def __init__(self, g):
         super().__init__()
@@ -156,6 +180,24 @@ class DFlashDraft(nn.Module):
         self.register_buffer("t2d", torch.zeros(g.verifier_vocab_size, dtype=torch.bool))
         for m in (self.embed_tokens, self.lm_head, self.verifier_lm_head, self.verifier_norm):
             m.requires_grad_(False)
+        for p in self.parameters():
+            if p.requires_grad and p.dim() == 2:
+                nn.init.normal_(p, std=0.02)
+
+    @property
+    def positions(self):
+        """Drafted tokens per block: the per-position metrics' length."""
+        return self.g.block_size - 1
+
+    def prepare_bf16(self):
+        """bf16 autocast: the frozen pieces in bf16 (the head's rows stored once when the draft head is frozen)."""
+        self.embed_tokens.to(torch.bfloat16)
+        if not self.lm_head.weight.requires_grad:
+            self.lm_head.to(torch.bfloat16)
+            if torch.equal(self.verifier_lm_head.weight.to(torch.bfloat16), self.lm_head.weight):
+                self.verifier_lm_head.weight = self.lm_head.weight
+                return
+        self.verifier_lm_head.to(torch.bfloat16)
 
     def trainable_parameters(self):
         return [p for p in self.parameters() if p.requires_grad]
@@ -172,9 +214,9 @@ class DFlashDraft(nn.Module):
         block_pos = (pos[anchors][:, None] + offsets[None]).reshape(-1)
         rope_ctx = rope_cos_sin(pos, g.head_dim, g.rope_theta, x.dtype)
         rope_block = rope_cos_sin(block_pos, g.head_dim, g.rope_theta, x.dtype)
-        mask = block_mask(doc, anchors, bs)
+        plan = block_plan(doc, anchors, bs)
         for layer in self.layers:
-            x = layer(x, ctx, rope_ctx, rope_block, mask)
+            x = layer(x, ctx, rope_ctx, rope_block, plan)
         return self.lm_head(self.norm(x))
 
     def targets_and_mask(self, target_hidden, loss_mask, doc, anchors):
@@ -191,28 +233,53 @@ class DFlashDraft(nn.Module):
         mask[:, 0] = False
         return targets, mask.view(-1)
 
-    def forward(self, batch, max_anchors=512, weighting="fixed", gamma=4.0, dpace_alpha=0.5, anchors=None,
+    def forward(self, batch, max_anchors=512, weighting="dpace", loss="ce", gamma=4.0, dpace_alpha=0.5, anchors=None,
                 generator=None):
         """-> (loss, metrics) on one packed sequence. batch: aux [T, n_aux * H], target_hidden [T, H], ids,
         loss_mask, doc, pos [T], unshifted (position t holds token t and the states computed at t)."""
         bs = self.g.block_size
+        if isinstance(anchors, str):  # "all": every loss-masked anchor, max_anchors at a time (validation)
+            return self._every_anchor(batch, max_anchors, weighting, loss, gamma, dpace_alpha)
         if anchors is None:
             anchors = select_anchors(batch["loss_mask"], max_anchors, bs, generator)
         logits = self.block_logits(batch["aux"], batch["ids"], batch["pos"], batch["doc"], anchors)
         targets, mask = self.targets_and_mask(batch["target_hidden"], batch["loss_mask"], batch["doc"], anchors)
-        logp = F.log_softmax(logits.float(), -1)
-        p = F.softmax(targets.float(), -1)
-        kl = F.kl_div(logp, p, reduction="none").sum(-1) * mask
+        per_slot = slot_loss(loss, logits, targets) * mask
         slot = torch.arange(logits.shape[0], device=logits.device) % bs
-        w = slot_weights(weighting, slot, mask, kl, bs, gamma, dpace_alpha)
-        loss = (kl * w).sum() / (mask.sum() + LOSS_EPS)
-        return loss, block_metrics(logits, targets, mask, kl, bs)
+        w = slot_weights(weighting, slot, mask, per_slot, bs, gamma, dpace_alpha)
+        total = (per_slot * w).sum() / (mask.sum() + LOSS_EPS)
+        return total, block_metrics(logits, targets, mask, per_slot, bs)
+
+
+    def _every_anchor(self, batch, chunk, *loss_args):
+        """Validation: every position that can anchor a block does, so the simulated acceptance length is not a
+        sample; the loss is the mean over the chunks."""
+        every = select_anchors(batch["loss_mask"], batch["loss_mask"].numel(), self.g.block_size)
+        losses, sums = [], {}
+        for i in range(0, max(every.numel(), 1), chunk):
+            loss, m = self(batch, chunk, *loss_args, anchors=every[i:i + chunk])
+            losses.append(loss)
+            for k, v in m.items():
+                sums[k] = sums.get(k, 0) + v
+        n = len(losses)
+        for k in sums:
+            if k.startswith("loss_"):
+                sums[k] = sums[k] / n
+        return torch.stack(losses).mean(), sums
+
+
+def slot_loss(kind, logits, targets):
+    """[Q] per-slot loss in fp32: ce (to the verifier's argmax, D-PACE's confidence is exp(-ce)) or kl."""
+    if kind == "ce":
+        return F.cross_entropy(logits.float(), targets.argmax(-1), reduction="none")
+    return F.kl_div(F.log_softmax(logits.float(), -1), F.softmax(targets.float(), -1), reduction="none").sum(-1)
 
 
 def block_metrics(logits, targets, mask, kl, bs):
     """The keys EAGLE-3's training reports, per draft slot k = 0..bs-2 (slot k + 1 of the block): KL, and accuracy
     of the first k + 1 drafts all right (full) and of draft k given the earlier ones right (cond), so that the
-    simulated acceptance length 1 + sum_k full_acc_k is the mean accepted run of a block plus the bonus token."""
+    simulated acceptance length 1 + sum_k full_acc_k is the mean accepted run of a block plus the bonus token.
+    `loss_k` is the mean per-slot loss (ce or kl) of slot k + 1."""
     with torch.no_grad():
         right = (logits.argmax(-1) == targets.argmax(-1)).view(-1, bs)[:, 1:]
         valid = mask.view(-1, bs)[:, 1:]

@@ -44,7 +44,8 @@ def wrap_parallel(model, device, world, how):
     # tokens/s. CPU (gloo, the tests): fp32, so the tests compare exactly with one process.
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda"
           else MixedPrecisionPolicy())
-    fully_shard(model.layers[0], reshard_after_forward=False, mp_policy=mp)
+    for layer in model.layers:  # EAGLE-3: one; DFlash: a stack
+        fully_shard(layer, reshard_after_forward=False, mp_policy=mp)
     fully_shard(model, reshard_after_forward=False, ignored_params=frozen, mp_policy=mp)
     return model
 

@@ -40,16 +40,17 @@ def split_samples(indices, val_fraction, seed, conversation=None):
     return sorted(i for i in order if i not in held), sorted(val)
 
 
-def shifted_len(n, budget):
-    """Tokens a sample of n tokens contributes to a packed sequence (shifted by one, cut to the budget)."""
-    return min(n - 1, budget)
+def shifted_len(n, budget, shift=1):
+    """Tokens a sample of n tokens contributes to a packed sequence (shifted by one for EAGLE-3, not for DFlash;
+    cut to the budget)."""
+    return min(n - shift, budget)
 
 
 PACKING = "first-fit, window 32"  # recorded in checkpoints: resuming needs the same sequences
 SPLIT = "by conversation"  # likewise: the same train/validation split
 
 
-def pack(indices, lengths, budget, seed, epoch, window=32):
+def pack(indices, lengths, budget, seed, epoch, window=32, shift=1):
     """First-fit packing of shuffled samples into bins of <= budget tokens. -> list of index lists.
     Each sample goes into the first of the last `window` open bins it fits, so bins come out nearly full;
     in-order packing closed a bin at the first sample that did not fit and left them ~88% full, and
@@ -58,7 +59,7 @@ def pack(indices, lengths, budget, seed, epoch, window=32):
     random.Random(seed * 100003 + epoch).shuffle(order)
     bins, used, first_open = [], [], 0
     for i in order:
-        n = shifted_len(lengths[i], budget)
+        n = shifted_len(lengths[i], budget, shift)
         for b in range(first_open, len(bins)):
             if used[b] + n <= budget:
                 bins[b].append(i)
@@ -87,39 +88,40 @@ class PackedDataset(Dataset):
     """Item i = the i-th packed bin, collated into one sequence. embed: the frozen input embedding as a host
     tensor (GPU training, see draft.take_embedding): each batch then carries its tokens' embeddings."""
 
-    def __init__(self, folder, bins, budget, embed=None):
-        self.folder, self.bins, self.budget, self.embed = folder, bins, budget, embed
+    def __init__(self, folder, bins, budget, embed=None, shift=1):
+        self.folder, self.bins, self.budget, self.embed, self.shift = folder, bins, budget, embed, shift
 
     def __len__(self):
         return len(self.bins)
 
     def __getitem__(self, i):
         samples = [read_checked(sample_path(self.folder, idx)) for idx in self.bins[i]]
-        lens = [shifted_len(len(s["token_ids"]), self.budget) for s in samples]
+        lens = [shifted_len(len(s["token_ids"]), self.budget, self.shift) for s in samples]
+        d = self.shift  # EAGLE-3: token t + 1 beside the states of t; DFlash: token t, the states of t
         T, (L, H) = sum(lens), samples[0]["hidden_states"].shape[1:]
         # each sample's states are copied once, straight into the batch (~0.5 GB per 8192 Kimi tokens)
         aux, target = torch.empty(T, L - 1, H, dtype=torch.bfloat16), torch.empty(T, H, dtype=torch.bfloat16)
         docs, a = [], 0
         for s, n in zip(samples, lens):
             aux[a:a + n] = s["hidden_states"][:n, :-1]
-            target[a:a + n] = s["hidden_states"][1:n + 1, -1]
+            target[a:a + n] = s["hidden_states"][d:n + d, -1]
             docs.append((a, a + n))
             a += n
         out = {"aux": aux.flatten(1), "target_hidden": target,
-               "ids": torch.cat([s["token_ids"][1:n + 1] for s, n in zip(samples, lens)]),
-               "loss_mask": torch.cat([s["loss_mask"][1:n + 1] for s, n in zip(samples, lens)]),
+               "ids": torch.cat([s["token_ids"][d:n + d] for s, n in zip(samples, lens)]),
+               "loss_mask": torch.cat([s["loss_mask"][d:n + d] for s, n in zip(samples, lens)]),
                "doc": torch.cat([torch.full((b - a,), j) for j, (a, b) in enumerate(docs)]),
-               "pos": torch.cat([torch.arange(1, b - a + 1) for a, b in docs]),  # positions start at 1 after the shift
+               "pos": torch.cat([torch.arange(d, b - a + d) for a, b in docs]),  # positions start at 1 after the shift
                "docs": docs}
         if self.embed is not None:
             out["embeds"] = self.embed[out["ids"]]
         return out
 
 
-def make_loader(folder, bins, budget, num_workers, pin=False, embed=None):
+def make_loader(folder, bins, budget, num_workers, pin=False, embed=None, shift=1):
     """Background workers prefetch the next packed sequences while the current step runs; pin: page-locked
     batches, so the host-to-GPU copies (~0.6 GB per 8192 Kimi tokens) run asynchronously."""
-    ds = PackedDataset(folder, bins, budget, embed)
+    ds = PackedDataset(folder, bins, budget, embed, shift)
     kwargs = dict(batch_size=None, shuffle=False, num_workers=num_workers, pin_memory=pin)
     if num_workers:
         kwargs.update(prefetch_factor=4, persistent_workers=False)

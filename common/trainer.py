@@ -34,8 +34,14 @@ def add_noise(aux, scale, num_aux):
 
 
 # grad_accum is not among them: a resume on another number of ranks keeps the global batch (ranks x accumulation)
-RESUME_KEYS = ("epochs", "max_steps", "lr", "warmup_steps", "weight_decay", "grad_clip", "max_tokens_per_step", "ttt_steps", "ttt_decay", "seed", "val_fraction", "hidden_noise",
+RESUME_KEYS = ("epochs", "max_steps", "lr", "warmup_steps", "weight_decay", "grad_clip", "max_tokens_per_step", "ttt_steps", "ttt_decay", "seed", "val_fraction", "hidden_noise", "max_anchors",
+               "block_loss", "block_weights", "block_decay_gamma", "dpace_alpha",
                "train_lm_head")
+
+
+def method_shift(cfg):
+    """Tokens a sample is shifted by in its batches: EAGLE-3 reads token t + 1 beside the states of t, DFlash not."""
+    return 0 if cfg.draft_method == "dflash" else 1
 
 
 def plan_epochs(train_idx, lengths, cfg, world, grad_accum=None):
@@ -43,7 +49,8 @@ def plan_epochs(train_idx, lengths, cfg, world, grad_accum=None):
     the same global batch and no gradient is carried into the next epoch (DDP also needs every rank to
     run the same number of backwards). The few dropped sequences differ per epoch (new shuffle)."""
     per = world * (grad_accum or cfg.grad_accum)
-    epochs = [pack(train_idx, lengths, cfg.max_tokens_per_step, cfg.seed, e) for e in range(cfg.epochs)]
+    epochs = [pack(train_idx, lengths, cfg.max_tokens_per_step, cfg.seed, e, shift=method_shift(cfg))
+              for e in range(cfg.epochs)]
     if len(epochs[0]) < per:
         raise UsageError(f"{len(epochs[0])} packed sequences of {cfg.max_tokens_per_step} tokens per epoch, fewer than "
                          f"{world} ranks x {per // world} accumulated micro-batches; lower --grad-accum or "
@@ -60,10 +67,18 @@ class Trainer:
         self.train_idx, self.val_idx, self.lengths = train_idx, val_idx, lengths
         self.bf16 = agreed(use_bf16(device, cfg.amp), device, world)
         self.dtype = torch.bfloat16 if self.bf16 else torch.float32
-        # on GPUs the loader looks the input tokens up in host memory (2.3 GB less GPU memory at Kimi scale)
-        self.host_embed = take_embedding(model, self.dtype) if device.type == "cuda" else None
+        self.dflash, self.shift = cfg.draft_method == "dflash", method_shift(cfg)
+        # what the model's forward takes besides the batch, and how many draft positions its metrics have
+        self.loss_args = (cfg.max_anchors, cfg.block_weights, cfg.block_loss, cfg.block_decay_gamma, cfg.dpace_alpha) \
+            if self.dflash else (cfg.ttt_steps, cfg.ttt_decay)
+        self.positions = model.positions if self.dflash else cfg.ttt_steps
+        # on GPUs the EAGLE-3 loader looks the input tokens up in host memory (2.3 GB less GPU memory at Kimi scale);
+        # a DFlash block embeds only its anchor and mask tokens, on the device
+        self.host_embed = take_embedding(model, self.dtype) if device.type == "cuda" and not self.dflash else None
         self.model = model.to(device)
-        if self.bf16:
+        if self.bf16 and self.dflash:
+            model.prepare_bf16()
+        elif self.bf16:
             optimize_bf16(model, cfg.compile and device.type == "cuda")
         log.info("precision: %s (--amp %s)", "bf16 autocast, fp32 master weights" if self.bf16 else "fp32", cfg.amp)
         if cfg.compile and device.type == "cpu":
@@ -80,10 +95,11 @@ class Trainer:
             self.total_steps = min(self.total_steps, cfg.max_steps)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg.warmup_steps, self.total_steps))
         # validation packed per group (val_groups: name -> sample indices), reported overall and per group
-        self.val_sets = {name: pack(idx, lengths, cfg.max_tokens_per_step, cfg.seed, 0)
+        self.val_sets = {name: pack(idx, lengths, cfg.max_tokens_per_step, cfg.seed, 0, shift=self.shift)
                          for name, idx in (val_groups or {"all": val_idx}).items() if idx}
         self.settings = {k: cfg[k] for k in RESUME_KEYS}
         self.settings["geometry"] = model.g.to_dict()
+        self.settings["draft_method"] = cfg.draft_method  # an EAGLE-3 checkpoint is not resumed as DFlash, nor back
         self.settings["optimizer_layout"] = "fsdp" if self.fsdp else "plain"  # their saved states differ
         self.settings["packing"] = PACKING  # a checkpoint's data position indexes this packing's sequences
         self.settings["split"] = SPLIT
@@ -168,21 +184,23 @@ class Trainer:
         # buffers): a rank short of sequences repeats the first one and does not count it
         n = math.ceil(len(val_bins) / self.world)
         loader = make_loader(self.folder, bins + val_bins[:1] * (n - len(bins)), self.cfg.max_tokens_per_step, 0,
-                             embed=self.host_embed)
+                             embed=self.host_embed, shift=self.shift)
+        # DFlash validates on every block a loss-masked position can anchor (a sample of them would be noise)
+        every = ("all",) if self.dflash else ()
         sums = {}
         with torch.no_grad():
             for i, batch in enumerate(loader):
                 batch = to_device(batch, self.device, self.dtype)
                 with autocast(self.device, self.bf16):
-                    _, m = self.parallel_model(batch, self.cfg.ttt_steps, self.cfg.ttt_decay)
+                    _, m = self.parallel_model(batch, *self.loss_args, *every)
                 if i < len(bins):
                     accumulate(sums, m)
-        return all_reduce_sums(sums, self.device, self.cfg.ttt_steps)
+        return all_reduce_sums(sums, self.device, self.positions)
 
     def run_validation(self):
         if not self.val_sets:
             return None
-        k = self.cfg.ttt_steps
+        k = self.positions
         self.model.eval()
         total, groups = {}, {}
         for name, bins in self.val_sets.items():
@@ -213,7 +231,7 @@ class Trainer:
             bins = self.epoch_bins[st["epoch"]]
             # this rank's share of the rest of the epoch: every world-th sequence from the global position on
             loader = make_loader(self.folder, bins[st["seq"] + self.rank::self.world], cfg.max_tokens_per_step, cfg.num_workers,
-                                 pin=self.device.type == "cuda", embed=self.host_embed)
+                                 pin=self.device.type == "cuda", embed=self.host_embed, shift=self.shift)
             micro = 0
             step_sums = {}
             t_step = time.time()
@@ -222,7 +240,7 @@ class Trainer:
                 if cfg.hidden_noise:
                     batch["aux"] = add_noise(batch["aux"], cfg.hidden_noise, self.model.g.num_aux)
                 with autocast(self.device, self.bf16):
-                    loss, metrics = self.parallel_model(batch, cfg.ttt_steps, cfg.ttt_decay)
+                    loss, metrics = self.parallel_model(batch, *self.loss_args)
                 (loss / self.grad_accum).backward()
                 accumulate(step_sums, metrics)
                 st["seq"] += self.world  # the ranks move through the epoch together
@@ -262,7 +280,7 @@ class Trainer:
         return st
 
     def _bin_tokens(self, b):
-        return sum(shifted_len(self.lengths[i], self.cfg.max_tokens_per_step) for i in b)
+        return sum(shifted_len(self.lengths[i], self.cfg.max_tokens_per_step, self.shift) for i in b)
 
     def _window(self):
         return {"tokens": 0, "t": time.time(), "sums": {}, "wait": self.data_wait, "epoch": self.state["epoch"],
@@ -291,7 +309,7 @@ class Trainer:
     def _log_train(self, window, step_time):
         st, cfg = self.state, self.cfg
         elapsed = time.time() - window["t"]
-        s = summarize(window["sums"], cfg.ttt_steps)
+        s = summarize(window["sums"], self.positions)
         tps = window["tokens"] / max(elapsed, 1e-9)
         wait = min((self.data_wait - window["wait"]) / max(elapsed, 1e-9), 1.0)
         row = {"kind": "train", "step": st["step"], "epoch": st["epoch"], "lr": self.sched.get_last_lr()[0],
@@ -304,6 +322,6 @@ class Trainer:
         remaining = (self.total_steps - st["step"]) * (st["train_seconds"] / max(st["step"], 1))
         self.log.info("step %d/%d epoch %d | loss %s | acc %s | lr %.2e | %.0f tok/s | %.2fs/step | data wait %.0f%% | "
                       "peak %.2f GB | ETA %s", st["step"], self.total_steps, st["epoch"] + 1,
-                      " / ".join(f"{s[f'loss_{k}']:.3f}" for k in range(cfg.ttt_steps)),
-                      " / ".join(f"{s[f'full_acc_{k}']:.3f}" for k in range(cfg.ttt_steps)),
+                      " / ".join(f"{s[f'loss_{k}']:.3f}" for k in range(self.positions)),
+                      " / ".join(f"{s[f'full_acc_{k}']:.3f}" for k in range(self.positions)),
                       row["lr"], tps, step_time, 100 * wait, row["peak_mem_gb"], fmt_duration(remaining))

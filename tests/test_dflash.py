@@ -4,7 +4,7 @@ D-PACE slot weights, the same accepted length per block."""
 import pytest
 import torch
 
-from common.dflash import DFlashDraft, DFlashGeometry, block_mask
+from common.dflash import DFlashDraft, DFlashGeometry
 
 V, VD, H, BS = 211, 64, 64, 4
 
@@ -57,7 +57,7 @@ def batch(lengths=(23, 17)):
             "loss_mask": mask, "doc": doc, "pos": pos}
 
 
-def run_reference(ref, b, anchors, weighting, monkeypatch):
+def run_reference(ref, b, anchors, weighting, loss, monkeypatch):
     """speculators' forward with its random anchor choice replaced by ours."""
     import speculators.models.dflash.core as core
     from speculators.losses import resolve_loss_config
@@ -69,14 +69,15 @@ def run_reference(ref, b, anchors, weighting, monkeypatch):
         _, loss, metrics = ref(
             hidden_states=b["aux"][None], input_ids=b["ids"][None], loss_mask=b["loss_mask"][None],
             verifier_last_hidden_states=b["target_hidden"][None], document_ids=b["doc"][None],
-            position_ids=b["pos"][None], loss_config=resolve_loss_config("kl_div", "eager"), gamma=4.0,
+            position_ids=b["pos"][None], loss_config=resolve_loss_config({"kl": "kl_div", "ce": "ce"}[loss], "eager"), gamma=4.0,
             max_anchors=len(anchors), per_position_loss_weight="dpace" if weighting == "dpace" else "fixed-exp-decay",
             dpace_alpha=0.5)
     return logits[0], loss, metrics
 
 
-@pytest.mark.parametrize("weighting", ["fixed", "dpace"])
-def test_same_names_logits_loss_and_accepted_length_as_speculators(weighting, monkeypatch):
+@pytest.mark.parametrize("weighting,loss", [("dpace", "ce"), ("fixed", "kl"), ("dpace", "kl")])
+def test_same_names_logits_loss_and_accepted_length_as_speculators(weighting, loss, monkeypatch):
+    """ce + dpace is speculators' DFlash recipe (and our default); kl + fixed its earlier one."""
     g = geometry()
     ref = reference(g)
     ours = DFlashDraft(g).float().eval()
@@ -85,26 +86,16 @@ def test_same_names_logits_loss_and_accepted_length_as_speculators(weighting, mo
     b = batch()
     # anchors whose blocks stay inside their document (speculators lets a block run into the next one)
     anchors = torch.tensor([3, 7, 12, 18, 26, 30, 34])
-    ref_logits, ref_loss, ref_metrics = run_reference(ref, b, anchors, weighting, monkeypatch)
+    ref_logits, ref_loss, ref_metrics = run_reference(ref, b, anchors, weighting, loss, monkeypatch)
     with torch.no_grad():
         logits = ours.block_logits(b["aux"], b["ids"], b["pos"], b["doc"], anchors)
-        loss, metrics = ours(b, weighting=weighting, anchors=anchors)
+        our_loss, metrics = ours(b, weighting=weighting, loss=loss, anchors=anchors)
     torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(our_loss, ref_loss, rtol=1e-5, atol=1e-6)
     ours_eal = 1 + sum(float(metrics[f"full_correct_{k}"]) / float(metrics[f"full_total_{k}"]) for k in range(BS - 1))
     assert ours_eal == pytest.approx(float(ref_metrics["eal_sum"] / ref_metrics["eal_total"]), abs=1e-6)
     for k in range(BS - 1):  # slot k + 1's accuracy alone is speculators' position accuracy
         assert metrics[f"full_total_{k}"] == ref_metrics[f"position_{k + 1}_acc_total"]
-
-
-def test_a_block_never_sees_later_context_or_another_document():
-    doc = torch.tensor([0, 0, 0, 0, 0, 1, 1, 1, 1, 1])
-    m = block_mask(doc, torch.tensor([2, 6]), 3)
-    T = len(doc)
-    assert m.shape == (6, T + 6)
-    assert m[:3, :T].tolist() == [[True, True] + [False] * 8] * 3  # anchor 2: context 0, 1 of document 0
-    assert m[3:, :T].tolist() == [[False] * 5 + [True] + [False] * 4] * 3  # anchor 6: only position 5
-    assert m[:3, T:T + 3].all() and not m[:3, T + 3:].any() and m[3:, T + 3:].all()  # own block, all of it
 
 
 def test_slots_past_the_anchors_document_carry_no_loss():
