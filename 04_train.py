@@ -116,7 +116,8 @@ def main():
     excluded = {int(i) for i in hs_man["counts"].get("bad_samples") or {}}
     lengths = {i: len(r["input_ids"]) for i, r in enumerate(records) if i not in excluded}
     t0 = time.time()
-    check_files(hs_dir, lengths, len(layer_ids), text_cfg.hidden_size, hs_man["params_hash"])
+    check_files(hs_dir, {i: records[i]["input_ids"] for i in lengths}, len(layer_ids), text_cfg.hidden_size,
+                hs_man["params_hash"])
     log.info("checked %d hidden-state files in %.1f s", len(lengths), time.time() - t0)
     if len(lengths) < 2:
         raise UsageError(f"only {len(lengths)} hidden-state files in {hs_dir}; need at least 2 (train + validation)")

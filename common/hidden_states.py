@@ -94,8 +94,9 @@ def disk_estimate(num_tokens, num_layers, hidden_size, hs_dtype):
     return math.ceil(num_tokens * bytes_per_token(num_layers, hidden_size, hs_dtype) * 1.02)
 
 
-def file_problem(path, num_tokens, num_layers, hidden_size, params_hash):
-    """Why a hidden-state file cannot be trained on, from its header alone (a millisecond), or None."""
+def file_problem(path, token_ids, num_layers, hidden_size, params_hash):
+    """Why a hidden-state file cannot be trained on, from its header and token ids (a millisecond), or None."""
+    num_tokens = len(token_ids)
     if not path.is_file():
         return "is missing"
     try:
@@ -104,21 +105,24 @@ def file_problem(path, num_tokens, num_layers, hidden_size, params_hash):
             if not {"hidden_states", "token_ids", "loss_mask"} <= keys:
                 return f"lacks {sorted({'hidden_states', 'token_ids', 'loss_mask'} - keys)}"
             shape = tuple(fh.get_slice("hidden_states").get_shape())
+            ids = fh.get_tensor("token_ids")
     except Exception as exc:  # truncated, overwritten, not safetensors
         return f"cannot be read ({str(exc).splitlines()[0][:80]})"
     if meta.get("params_hash") != params_hash:
         return "was written by another extraction (other verifier, layers, dtype or prepared data)"
     if shape != (num_tokens, num_layers, hidden_size):
         return f"holds hidden states of shape {list(shape)}, not [{num_tokens}, {num_layers}, {hidden_size}]"
+    if not torch.equal(ids, torch.as_tensor(token_ids, dtype=ids.dtype)):
+        return "holds another sample's tokens (a file copied or renamed from elsewhere)"
     return None
 
 
-def check_files(folder, lengths, num_layers, hidden_size, params_hash):
-    """Every expected file (lengths: sample index -> tokens) checked from its header; UsageError naming the first
-    bad one and how many there are. Stage 2 redoes exactly the missing and damaged files."""
+def check_files(folder, expected, num_layers, hidden_size, params_hash):
+    """Every expected file (expected: sample index -> its token ids) checked from its header and ids; UsageError
+    naming the first bad one and how many there are. Stage 2 redoes exactly the missing and damaged files."""
     from common.errors import UsageError
-    bad = [(i, why) for i, n in lengths.items()
-           if (why := file_problem(sample_path(folder, i), n, num_layers, hidden_size, params_hash))]
+    bad = [(i, why) for i, ids in expected.items()
+           if (why := file_problem(sample_path(folder, i), ids, num_layers, hidden_size, params_hash))]
     if bad:
         i, why = bad[0]
         more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""

@@ -58,6 +58,10 @@ def plan_epochs(train_idx, lengths, cfg, world, grad_accum=None):
     return [b[:len(b) - len(b) % per] for b in epochs]
 
 
+def ranks(n):
+    return f"{n} rank" + ("s" if n != 1 else "")
+
+
 class Trainer:
     def __init__(self, cfg, model, device, folder, train_idx, val_idx, lengths, out_dir, log, rank=0, world=1,
                  val_groups=None):
@@ -121,13 +125,13 @@ class Trainer:
         if not was or was == self.world or not batch:
             return asked
         if batch % self.world:
-            raise UsageError(f"checkpoints in {self.ckpt_dir} were made by {was} ranks with {batch} sequences per "
-                             f"optimizer step; {self.world} ranks cannot split them evenly: resume on a number of ranks "
+            raise UsageError(f"checkpoints in {self.ckpt_dir} were made by {ranks(was)} with {batch} sequences per "
+                             f"optimizer step; {ranks(self.world)} cannot split them evenly: resume on a number of ranks "
                              f"that divides {batch} (e.g. {was}), or use a new --work-dir")
         accum = batch // self.world
-        self.log.info("resuming a %d-rank run on %d ranks: %d micro-batches per rank per step (--grad-accum %d asked) "
-                      "keep its %d sequences per optimizer step, its schedule and its data order", was, self.world,
-                      accum, asked, batch)
+        self.log.info("resuming a run of %s on %s: %d micro-batches per rank per step (--grad-accum %d asked) keep "
+                      "its %d sequences per optimizer step, its schedule and its data order", ranks(was),
+                      ranks(self.world), accum, asked, batch)
         return accum
 
     def resume(self):

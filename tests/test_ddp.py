@@ -120,7 +120,7 @@ def resume_on_one_rank(work, uninterrupted, last):
     shutil.rmtree(work / "train" / "checkpoints" / f"step_{last}")
     proc = run_script("04_train.py", "--work-dir", work, *ARGS, "--grad-accum", 1)  # as a user would, on 1 process
     assert proc.returncode == 0, proc.output[-3000:]
-    assert "resuming a 2-rank run on 1 ranks: 2 micro-batches per rank per step (--grad-accum 1 asked)" in proc.output
+    assert "resuming a run of 2 ranks on 1 rank: 2 micro-batches per rank per step (--grad-accum 1 asked)" in proc.output
     assert f"resumed from" in proc.output and f"step {last - 1}," in proc.output
     assert sequences(work) == seen
     after = weights(work, last)
@@ -130,12 +130,12 @@ def resume_on_one_rank(work, uninterrupted, last):
 
 def test_a_global_batch_the_new_ranks_cannot_split_is_refused_in_one_line(extracted, tmp_path):
     work = make_work(extracted, tmp_path / "w")
-    run_script("04_train.py", "--work-dir", work, *ARGS, "--grad-accum", 3, "--max-steps", 1, check=True)
+    run_script("04_train.py", "--work-dir", work, *ARGS, "--grad-accum", 1, "--max-steps", 1, check=True)
     state = torch.load(work / "train" / "checkpoints" / "step_1" / "state.pt", weights_only=True)
-    assert state["world_size"] == 1 and state["settings"]["global_batch"] == 3
+    assert state["world_size"] == 1 and state["settings"]["global_batch"] == 1
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
-           str(ROOT / "04_train.py"), "--work-dir", str(work), *map(str, ARGS), "--grad-accum", "3", "--max-steps", "1"]
+           str(ROOT / "04_train.py"), "--work-dir", str(work), *map(str, ARGS), "--grad-accum", "1", "--max-steps", "1"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode != 0
-    assert ("error: checkpoints in " f"{work / 'train' / 'checkpoints'} were made by 1 ranks with 3 sequences per optimizer "
+    assert ("error: checkpoints in " f"{work / 'train' / 'checkpoints'} were made by 1 rank with 1 sequences per optimizer "
             "step; 2 ranks cannot split them evenly") in proc.stderr, (proc.stdout + proc.stderr)[-3000:]

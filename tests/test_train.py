@@ -410,7 +410,7 @@ def test_damaged_missing_or_foreign_hidden_state_files_are_refused_before_traini
     damage = [("deleted", lambda p: p.unlink(), "is missing"),
               ("cut short", lambda p: p.write_bytes(good[:len(good) // 2]), "cannot be read"),
               ("garbage", lambda p: p.write_bytes(os.urandom(4096)), "cannot be read"),
-              ("another sample's file", lambda p: p.write_bytes(other), "holds hidden states of shape")]
+              ("another sample's file", lambda p: p.write_bytes(other), "holds")]  # its shape, or its tokens
     assert read_meta(hs / "hs_1.safetensors")["params_hash"]
     for what, harm, needle in damage:
         harm(hs / "hs_1.safetensors")
@@ -440,3 +440,28 @@ def test_a_file_that_fails_mid_training_stops_the_stage_in_one_line(extracted, t
     msg = str(err.value)
     assert "\n" not in msg and msg.startswith(f"{hs / 'hs_3.safetensors'} cannot be read mid-training"), msg
     assert "training resumes from its last checkpoint" in msg
+
+
+def test_a_damaged_exported_draft_is_refused_before_an_engine_starts(trained, tmp_path):
+    """Stage 5 checks final_draft/ first: a damaged config.json or model.safetensors, or one that is not what
+    stage 4 exported, costs one line and no model load (it used to start the verifier's engine, then die)."""
+    work = tmp_path / "w"
+    (work / "train").mkdir(parents=True)
+    shutil.copy(trained / "train" / "manifest.json", work / "train" / "manifest.json")
+    shutil.copytree(trained / "final_draft", work / "final_draft")
+    conf, weights = work / "final_draft" / "config.json", work / "final_draft" / "model.safetensors"
+    good_conf, good_weights = conf.read_text(), weights.read_bytes()
+    other = json.loads(good_conf)
+    other.pop("eagle_aux_hidden_state_layer_ids")
+    for harm, needle in [(lambda: conf.write_text(good_conf[:50]), "config.json is not valid JSON"),
+                         (lambda: conf.write_text(json.dumps(other)), "has no top-level eagle_aux_hidden_state_layer_ids"),
+                         (lambda: weights.write_bytes(good_weights[:1000]), "model.safetensors cannot be read"),
+                         (lambda: weights.unlink(), "model.safetensors is missing")]:
+        harm()
+        proc = run_script("05_evaluate.py", "--work-dir", work, "--eval-limit", 1)
+        assert proc.returncode == 2 and "Traceback" not in proc.output, proc.output[-2000:]
+        line = proc.stderr.strip().splitlines()[-1]
+        assert needle in line and "re-run 04_train.py" in line, line
+        assert "vLLM engine ready" not in proc.output and "baseline" not in proc.output
+        conf.write_text(good_conf)
+        weights.write_bytes(good_weights)
