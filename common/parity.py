@@ -12,13 +12,16 @@ from safetensors.torch import load_file
 
 
 def load_exported_draft(work):
-    """Our Eagle3Draft with the exported (bf16) weights of <work>/final_draft, as vLLM loads them; -> (model, d2t)."""
+    """Our draft (EAGLE-3 or DFlash) with the exported (bf16) weights of <work>/final_draft, as vLLM loads them;
+    -> (model, d2t)."""
     from common.build_draft import build_model
+    from common.dflash import DFlashGeometry
     from common.draft import DraftGeometry
     man = json.loads((work / "train" / "manifest.json").read_text())
     d2t = np.load(work / "vocab" / "d2t.npy")
     model_dir = json.loads((work / "prepared" / "manifest.json").read_text())["params"]["model_dir"]
-    model = build_model(DraftGeometry(**man["params"]["geometry"]), model_dir, d2t + np.arange(len(d2t)))
+    geometry = DFlashGeometry if man["params"].get("draft_method") == "dflash" else DraftGeometry
+    model = build_model(geometry(**man["params"]["geometry"]), model_dir, d2t + np.arange(len(d2t)))
     exported = load_file(str(work / "final_draft" / "model.safetensors"))
     if "midlayer.self_attn.q_proj.weight" in exported:
         exported = {k.replace("midlayer.", "layers.0."): v for k, v in exported.items()}
@@ -53,3 +56,28 @@ def verify_walk(predicted, prompt, answer_len, k):
         steps.append((q, accepted))
         q += accepted + 1
     return steps
+
+
+def predicted_block_accepts(model, d2t, folder, index, tokens):
+    """DFlash: anchor position a -> how many leading drafts of the block anchored at a are right (slot i predicts
+    token a + i). A vLLM verify step whose first drafted token is answer token q anchors at P+q-1 (its last
+    accepted token), with the verifier's states before it as context: the same inputs, so the same count."""
+    from common.train_data import PackedDataset
+    b = PackedDataset(folder, [[index]], len(tokens), shift=0)[0]
+    b = {key: v.float() if torch.is_tensor(v) and v.is_floating_point() else v for key, v in b.items()}
+    bs, T = model.g.block_size, len(tokens)
+    anchors = torch.arange(T - 1)
+    with torch.no_grad():
+        logits = model.block_logits(b["aux"], b["ids"], b["pos"], b["doc"], anchors).view(T - 1, bs, -1)
+    top = logits.argmax(-1)
+    guess = top + d2t[top]
+    tokens = torch.as_tensor(tokens)
+    out = {}
+    for a in range(T - 1):
+        n = 0
+        for i in range(1, bs):
+            if a + i >= T or guess[a, i] != tokens[a + i]:
+                break
+            n += 1
+        out[a] = n
+    return out

