@@ -15,8 +15,9 @@ from conftest import run_script
 V, VD, H, BS = 211, 64, 64, 4
 
 
-def reference(g):
-    """speculators' DFlashDraftModel at geometry g, random weights (its frozen pieces start as NaN)."""
+def reference(g, verifier):
+    """speculators' DFlashDraftModel at geometry g, random weights (its frozen pieces start as NaN). verifier: a folder
+    with a config.json, which speculators reads (a hub id there costs retries against a hub this machine lacks)."""
     from speculators.config import SpeculatorsConfig, VerifierConfig
     from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
@@ -32,7 +33,7 @@ def reference(g):
         mask_token_id=g.mask_token_id,
         speculators_config=SpeculatorsConfig(
             algorithm="dflash", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=BS - 1)],
-            default_proposal_method="greedy", verifier=VerifierConfig(name_or_path="x", architectures=["X"])))
+            default_proposal_method="greedy", verifier=VerifierConfig(name_or_path=str(verifier), architectures=["X"])))
     torch.manual_seed(0)
     ref = DFlashDraftModel(conf).float()
     with torch.no_grad():
@@ -82,10 +83,12 @@ def run_reference(ref, b, anchors, weighting, loss, monkeypatch):
 
 
 @pytest.mark.parametrize("weighting,loss", [("dpace", "ce"), ("fixed", "kl"), ("dpace", "kl")])
-def test_same_names_logits_loss_and_accepted_length_as_speculators(weighting, loss, monkeypatch):
+def test_same_names_logits_loss_and_accepted_length_as_speculators(weighting, loss, monkeypatch, tmp_path):
     """ce + dpace is speculators' DFlash recipe (and our default); kl + fixed its earlier one."""
+    from transformers import Qwen3Config
     g = geometry()
-    ref = reference(g)
+    Qwen3Config(vocab_size=V, hidden_size=H).save_pretrained(tmp_path)
+    ref = reference(g, tmp_path)
     ours = DFlashDraft(g).float().eval()
     missing, unexpected = ours.load_state_dict(ref.state_dict(), strict=False)
     assert not missing and not unexpected, (missing, unexpected)  # speculators' weight names, all of them

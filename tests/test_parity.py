@@ -140,24 +140,28 @@ def test_vllm_accepts_what_training_measured(memorise, norms, fmt):
     model, d2t = load_exported_draft(work)
 
     pairs = step_by_step(work, model, d2t)
+    train, positions = trainer_accuracy(work, model)
+    gate(pairs, row, train, prompts, positions, K, f"{norms}/{fmt}")
+    assert row["acceptance_length"] >= 3.5, (row, train)
+
+
+def gate(pairs, row, train, prompts, positions, k_max, name):
+    """Checks 1 and 2 of the module's docstring: vLLM's accepted counts against our predictions step by step,
+    and vLLM's per-position acceptance against the trainer's over every loss position."""
     n = len(pairs)
     agree = sum(a == b for a, b, _ in pairs)
     assert agree >= 0.95 * n, [p for p in pairs if p[0] != p[1]]
-    for k in range(K):
-        served_k = sum(a > k for a, _, _ in pairs) / n
-        trained_k = sum(b > k for _, b, _ in pairs) / n
+    for k in range(k_max):
+        served_k, trained_k = sum(a > k for a, _, _ in pairs) / n, sum(b > k for _, b, _ in pairs) / n
         assert abs(served_k - trained_k) <= (n - agree) / n + 1e-9
-
-    train, positions = trainer_accuracy(work, model)
     steps = row["drafts"]
-    for k in range(K):
+    for k in range(k_max):
         p = train[f"full_acc_{k}"]
         tol = 3 * math.sqrt(p * (1 - p) / steps) + prompts / steps + prompts / positions + 0.01
         assert abs(row["per_position_acceptance"][k] - p) <= tol, (k, row, train, tol)
-    assert row["acceptance_length"] >= 3.5, (row, train)
-    print(f"{norms}/{fmt}: {agree}/{n} verify steps as predicted; served per position "
-          f"{row['per_position_acceptance']} vs trained {[round(train[f'full_acc_{k}'], 4) for k in range(K)]}; "
-          f"acceptance length {row['acceptance_length']} vs simulated {train['acceptance_length']:.4f}")
+    print(f"{name}: {agree}/{n} verify steps as predicted; served per position {row['per_position_acceptance']} vs "
+          f"trained {[round(train[f'full_acc_{k}'], 4) for k in range(k_max)]}; acceptance length "
+          f"{row['acceptance_length']} vs simulated {train['acceptance_length']:.4f}")
 
 
 # ---- DFlash: the block draft memorises the same samples; vLLM (method "dflash") serves it ----
@@ -201,11 +205,6 @@ def test_vllm_accepts_what_the_dflash_draft_predicts(regenerated):
     assert row["num_speculative_tokens"] == BLOCK - 1 and row["outputs_equal_baseline"] == prompts >= 4
     model, d2t = load_exported_draft(work)
     pairs = dflash_step_by_step(work, model, d2t)
-    n = len(pairs)
-    agree = sum(a == b for a, b, _ in pairs)
-    assert agree >= 0.95 * n, [p for p in pairs if p[0] != p[1]]
-    for k in range(BLOCK - 1):
-        assert abs(sum(a > k for a, _, _ in pairs) / n - sum(b > k for _, b, _ in pairs) / n) <= (n - agree) / n + 1e-9
     # the trainer's validation maths over every anchor of every sample, against vLLM's per-position acceptance
     _, records = load_prepared(work)
     lengths = {i: len(r["input_ids"]) for i, r in enumerate(records)}
@@ -215,12 +214,5 @@ def test_vllm_accepts_what_the_dflash_draft_predicts(regenerated):
                                  shift=0):
             accumulate(sums, model(to_device(batch, torch.device("cpu"), torch.float32), 512, anchors="all")[1])
     train = summarize(sums, BLOCK - 1)
-    positions, steps = float(sums["full_total_0"]), row["drafts"]
-    for k in range(BLOCK - 1):
-        p = train[f"full_acc_{k}"]
-        tol = 3 * math.sqrt(p * (1 - p) / steps) + prompts / steps + prompts / positions + 0.01
-        assert abs(row["per_position_acceptance"][k] - p) <= tol, (k, row, train, tol)
+    gate(pairs, row, train, prompts, float(sums["full_total_0"]), BLOCK - 1, f"dflash block {BLOCK}")
     assert row["acceptance_length"] >= 3.3, (row, train)
-    print(f"dflash block {BLOCK}: {agree}/{n} verify steps as predicted; served per position "
-          f"{row['per_position_acceptance']} vs trained {[round(train[f'full_acc_{k}'], 4) for k in range(BLOCK - 1)]}; "
-          f"acceptance length {row['acceptance_length']} vs simulated {train['acceptance_length']:.4f}")
