@@ -41,7 +41,7 @@ RESUME_KEYS = ("epochs", "max_steps", "lr", "warmup_steps", "weight_decay", "gra
 
 def method_shift(cfg):
     """Tokens a sample is shifted by in its batches: EAGLE-3 reads token t + 1 beside the states of t, DFlash not."""
-    return 0 if cfg.draft_method == "dflash" else 1
+    return 0 if getattr(cfg, "draft_method", "eagle3") == "dflash" else 1
 
 
 def plan_epochs(train_idx, lengths, cfg, world, grad_accum=None):
