@@ -6,6 +6,7 @@ metrics.jsonl, curves.png, manifest.json) and the servable draft in <work-dir>/f
 Re-running the same command resumes from the latest checkpoint. Several GPUs:
   torchrun --nproc_per_node 8 04_train.py --config C   (DDP; gloo on CPU)
 """
+import importlib.util
 import json
 import logging
 import os
@@ -25,7 +26,7 @@ from common.models import load_tokenizer, open_verifier
 from common.stage import ensure_writable, start
 from common.train_data import split_samples
 from common.build_draft import build_model, geometry, resolve_mask_token
-from common.dflash import geometry_note
+from common.dflash import geometry_note, trainable_count
 from common.checkpoints import latest_checkpoint, load_weights
 from common.distributed import dist_setup
 from common.metrics import plot_curves
@@ -64,14 +65,17 @@ def memory_estimate(g, tokens, ttt_steps, longest_doc):
 
 
 def dflash_memory(g, tokens, anchors, longest_doc):
-    """Rough peak bytes of one DFlash micro-batch in fp32: the blocks' logits and their softmax, every layer's
-    activations for backward, and the per-document attention scores (a document's blocks x its context)."""
+    """Rough peak bytes of DFlash training: its weights with their gradients and AdamW state (fp32, 16 bytes a
+    parameter: a stack of Kimi-size layers is most of it), the frozen embedding and heads, and one micro-batch in
+    fp32: the blocks' logits and softmax, every layer's activations, the per-document attention scores. Measured on
+    an H200 at Kimi geometry (2 layers, block 8, 8192 tokens): peak 33.8 GB, this says ~48."""
     q = min(anchors, tokens) * g.block_size
     per_query = 4 * (4 * g.draft_vocab_size + g.num_layers * (14 * g.hidden_size + 3 * g.intermediate_size
                                                              + 2 * (g.num_heads + 2 * g.num_kv_heads) * g.head_dim))
     attn = 4 * g.num_heads * q * (longest_doc + g.block_size) * g.num_layers * 3
     context = 4 * tokens * (g.num_aux * g.hidden_size + g.num_layers * 4 * g.num_kv_heads * g.head_dim)
-    return q * per_query + attn + context
+    weights = 16 * trainable_count(g) + 2 * g.hidden_size * (g.verifier_vocab_size + 2 * g.draft_vocab_size)
+    return weights + q * per_query + attn + context
 
 
 def available_memory(device):
@@ -105,6 +109,12 @@ def main():
     model_dir, text_cfg = open_verifier(cfg, log)
     full = voc_man["counts"]["full_vocabulary"]
     draft_vocab = text_cfg.vocab_size if full else voc_man["counts"]["draft_vocab_size"]
+    if (cfg.draft_method == "dflash" or cfg.export_format == "speculators") and not importlib.util.find_spec("speculators"):
+        # the export builds its config with speculators' own classes: without it training would end in a crash
+        raise UsageError(f"{'--draft-method dflash' if cfg.draft_method == 'dflash' else '--export-format speculators'} "
+                         f"exports with the speculators package, which this environment lacks; run scripts/setup_env.sh "
+                         f"(or pip install speculators==0.9.0 --no-deps)" + ("" if cfg.draft_method == "dflash" else
+                                                                             ", or use --export-format eagle"))
     mask_id = None
     if cfg.draft_method == "dflash":  # the token fed for the drafted positions, as speculators resolves it
         mask_id, why = resolve_mask_token(load_tokenizer(model_dir, trust_remote_code=cfg.trust_remote_code),

@@ -60,7 +60,7 @@ def main():
         n = int(torch.randint(200, 2049, (1,), generator=gen))
         start = int(n * float(torch.empty(1).uniform_(0.25, 0.55, generator=gen)))
         ids = torch.randint(0, V, (n,), generator=gen)
-        records.append({"input_ids": ids.tolist(), "loss_mask": [0] * start + [1] * (n - start)})
+        records.append({"id": f"synthetic-{i}", "input_ids": ids.tolist(), "loss_mask": [0] * start + [1] * (n - start)})
     unique, records = len(records), records * args.repeat
     data = prep / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -77,8 +77,9 @@ def main():
         n = len(r["input_ids"])
         hidden = torch.randn(n, len(args.layer_ids), H, generator=gen)
         write_sample(sample_path(hs, i), hidden, torch.tensor(r["input_ids"]), torch.tensor(r["loss_mask"]),
-                     {"synthetic": "1"})
-    write_manifest(hs, "extract", {"prepared_sha256": sha, "layer_ids": args.layer_ids}, counts={"samples": len(records)})
+                     {"synthetic": "1", "params_hash": "synthetic"})  # what stage 4's file check compares
+    write_manifest(hs, "extract", {"prepared_sha256": sha, "layer_ids": args.layer_ids}, params_hash="synthetic",
+                   counts={"samples": len(records)})
     voc = work / "vocab"
     voc.mkdir(parents=True, exist_ok=True)
     targets = np.sort(np.random.default_rng(args.seed).choice(V, args.draft_vocab_size, replace=False))

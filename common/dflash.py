@@ -297,10 +297,15 @@ def block_metrics(logits, targets, mask, kl, bs):
         return out
 
 
+def trainable_count(g):
+    """Parameters a DFlash draft trains (its layers and fc; norms aside)."""
+    return g.num_layers * (2 * g.hidden_size * g.num_heads * g.head_dim + 2 * g.hidden_size * g.num_kv_heads
+                           * g.head_dim + 3 * g.hidden_size * g.intermediate_size) + g.num_aux * g.hidden_size ** 2
+
+
 def geometry_note(g):
     """One line for logs and dry runs."""
-    params = g.num_layers * (2 * g.hidden_size * g.num_heads * g.head_dim + 2 * g.hidden_size * g.num_kv_heads
-                             * g.head_dim + 3 * g.hidden_size * g.intermediate_size) + g.num_aux * g.hidden_size ** 2
+    params = trainable_count(g)
     return (f"DFlash: {g.num_layers} layers, block {g.block_size}, heads {g.num_heads}/{g.num_kv_heads} x "
             f"{g.head_dim}, MLP {g.intermediate_size}, {params / 1e6:.1f}M trainable, mask token {g.mask_token_id}")
 
