@@ -188,3 +188,19 @@ def test_vllm_serves_the_dflash_draft_with_the_verifiers_outputs(dflash_run):
     assert row["num_speculative_tokens"] == 3 and row["drafts"] > 0
     assert row["outputs_equal_baseline"] == row["prompts"] == 4  # fp32: speculative greedy = plain greedy
     assert row["acceptance_length"] == round(1 + row["accepted_tokens"] / row["drafts"], 4)
+
+
+def test_the_mask_token_is_resolved_as_speculators_does_or_refused(tokenizer):
+    """The tokenizer's mask token, else the first embedding row no token uses, else pad / eos / unk; none: one line."""
+    import copy
+    from common.build_draft import resolve_mask_token
+    from common.errors import UsageError
+    n = len(tokenizer)
+    assert resolve_mask_token(tokenizer, n + 64)[0] == n  # a larger embedding than the tokenizer: its first free row
+    tid, why = resolve_mask_token(tokenizer, n)
+    assert tid in (tokenizer.pad_token_id, tokenizer.eos_token_id) and "no mask token, no unused embedding row" in why
+    bare = copy.deepcopy(tokenizer)
+    for name in ("pad_token", "eos_token", "unk_token", "mask_token"):
+        setattr(bare, name, None)
+    with pytest.raises(UsageError, match="has no mask token, no unused embedding row and no pad/eos/unk token"):
+        resolve_mask_token(bare, n)
