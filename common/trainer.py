@@ -120,7 +120,8 @@ class Trainer:
         where the saved global batch (ranks x accumulation) is kept, so the schedule in optimizer steps and the
         sequences each step sees stay those of the interrupted run; refused where the new ranks cannot split it."""
         ckpt = latest_checkpoint(self.ckpt_dir)
-        saved = read_state(ckpt) if ckpt else {}
+        # meta.json, not state.pt: the optimizer state there is gigabytes at Kimi scale, and every rank reads it
+        saved = json.loads((ckpt / "meta.json").read_text()) if ckpt and (ckpt / "meta.json").is_file() else {}
         was, batch = saved.get("world_size"), (saved.get("settings") or {}).get("global_batch")
         if not was or was == self.world or not batch:
             return asked
