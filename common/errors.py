@@ -3,6 +3,12 @@ import signal
 import sys
 
 
+def first_line(exc, limit=200):
+    """An exception's first line for a one-line error (its type where it has no text)."""
+    text = str(exc).strip()
+    return text.splitlines()[0][:limit] if text else type(exc).__name__
+
+
 class UsageError(Exception):
     """Bad arguments, input files or stage hand-offs: the user can fix it; exit 2."""
 

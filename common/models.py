@@ -14,7 +14,7 @@ import shutil
 import time
 from pathlib import Path
 
-from common.errors import UsageError
+from common.errors import UsageError, first_line
 from common.io import sha256_file, write_json_atomic
 
 EMBEDDED = {
@@ -142,7 +142,7 @@ def hub_snapshot(repo_id, create=True):
     except LocalEntryNotFoundError:
         cached = None
     except Exception as exc:  # a malformed id, a damaged cache
-        raise UsageError(f"--verifier {repo_id}: {str(exc).strip().splitlines()[0][:200]}")
+        raise UsageError(f"--verifier {repo_id}: {first_line(exc)}")
     if cached:
         log.info("verifier %s: cached snapshot %s", repo_id, cached)
         return str(cached)
@@ -153,7 +153,7 @@ def hub_snapshot(repo_id, create=True):
     try:
         folder = snapshot_download(repo_id, ignore_patterns=HUB_IGNORE)
     except Exception as exc:  # offline, unknown or gated repo, disk full
-        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        first = first_line(exc)
         raise UsageError(f"--verifier {repo_id}: not in the HF cache and the download failed ({first}); download it "
                          f"where the hub is reachable (huggingface-cli download {repo_id}) or pass a local folder")
     if not _complete_snapshot(folder):
@@ -194,13 +194,13 @@ def load_verifier_config(model, trust_remote_code=False):
         try:
             hf_hub_download(model, "config.json")
         except Exception as exc:
-            first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+            first = first_line(exc)
             raise UsageError(f"--verifier {model}: not in the HF cache and its config cannot be fetched ({first}); "
                              f"download it where the hub is reachable or pass a local folder")
     try:
         cfg = AutoConfig.from_pretrained(model, trust_remote_code=trust_remote_code)
     except Exception as exc:  # offline hub, bad id, remote code refused
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = first_line(exc, None)
         raise UsageError(f"cannot read the verifier config of '{model}': {first}. Pass a local model folder "
                          f"with --verifier (no hub access?) or add --trust-remote-code if it needs it")
     return text_config(cfg)
@@ -239,7 +239,7 @@ def load_tokenizer(model, chat_template="", trust_remote_code=False):
     try:
         tok = AutoTokenizer.from_pretrained(model, trust_remote_code=trust_remote_code)
     except Exception as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = first_line(exc, None)
         raise UsageError(f"cannot load the tokenizer of '{model}': {first}")
     if chat_template:
         path = Path(chat_template)

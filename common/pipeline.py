@@ -2,7 +2,6 @@
 
   python -m common.pipeline done STAGE [options...]   exit 0 if STAGE's manifest is complete and matches
   python -m common.pipeline report [options...]       write WORK_DIR/report.md from the manifests
-  python -m common.pipeline stages NAME FLAG          the stage that NAME (1-5, 01, a script name) means, or exit 2
 """
 import json
 import sys
@@ -96,13 +95,6 @@ def report(cfg):
 
 def main(argv):
     cmd = argv[0]
-    if cmd == "stages":  # the wrapper's --from/--only: a stage number or name -> its script, or exit 2
-        for stage in FOLDERS:
-            if argv[1] in (stage, stage[:2], stage[1:2], stage[3:]) or stage.startswith(argv[1] + "_"):
-                print(stage)
-                return 0
-        print(f"error: {argv[2]} {argv[1]}: no such stage; use 1-5 or a name ({', '.join(FOLDERS)})", file=sys.stderr)
-        return 2
     if cmd == "done":
         cfg = parse_config(0, "", argv[2:])
         return 0 if stage_done(argv[1], cfg) else 1

@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from common.draft import OnHost
-from common.errors import UsageError
+from common.errors import UsageError, first_line
 from common.hidden_states import read_sample, sample_path
 
 
@@ -78,8 +78,7 @@ def read_checked(path):
     try:
         return read_sample(path, torch.bfloat16)
     except Exception as exc:
-        first = str(exc).strip().splitlines()[0][:120] if str(exc).strip() else type(exc).__name__
-        raise UsageError(f"{path} cannot be read mid-training ({first}); re-run 02_extract_hidden_states.py with the "
+        raise UsageError(f"{path} cannot be read mid-training ({first_line(exc, 120)}); re-run 02_extract_hidden_states.py with the "
                          f"same options (it redoes that file), then this command: training resumes from its last "
                          f"checkpoint")
 
