@@ -26,7 +26,7 @@ from common.models import load_tokenizer, open_verifier
 from common.stage import ensure_writable, start
 from common.train_data import split_samples
 from common.build_draft import build_model, geometry, resolve_mask_token
-from common.dflash import geometry_note, trainable_count
+from common.drafts.dflash import geometry_note, trainable_count
 from common.checkpoints import latest_checkpoint, load_weights
 from common.distributed import dist_setup
 from common.metrics import plot_curves

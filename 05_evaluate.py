@@ -14,7 +14,7 @@ from pathlib import Path
 
 from common.errors import UsageError, run_main
 from common.evaluate import (acceptance_breakdown, acceptance_row, compare_with_training, derived_rows, eval_prompts,
-                             prompt_categories, run_engine, save_outputs, save_results, vocab_coverage)
+                             prompt_categories, run_engine, save_outputs, save_results, single_note, vocab_coverage)
 from common.export import check_exported_draft, draft_method
 from common.io import read_manifest, write_manifest
 from common.models import load_tokenizer, open_verifier
@@ -45,6 +45,9 @@ def main():
              len(items), cfg.eval_dataset, cfg.max_new_tokens, cfg.temperature,
              ", ".join(f"k={k}" for k in (ks if cfg.exact_k_sweep else ks[-1:])), draft,
              "" if cfg.exact_k_sweep or len(ks) == 1 else f" (k={', '.join(map(str, ks[:-1]))} derived from k={ks[-1]})")
+    if cfg.latency_prompts:
+        log.info("plan: then, in each engine, the first %d prompts one at a time (tokens/s at concurrency 1)",
+                 min(cfg.latency_prompts, len(items)))
     if cfg.dry_run:
         log.info("dry run: nothing written")
         return 0
@@ -65,9 +68,9 @@ def main():
     if skipped:
         log.info("skipped %d prompts longer than %d tokens", skipped, room)
     t0 = time.time()
-    base_tokens, base_s, _, _ = run_engine(model_dir, cfg, prompts)
-    log.info("baseline (no speculation): %d tokens in %.1fs = %.1f tokens/s", sum(map(len, base_tokens)), base_s,
-             sum(map(len, base_tokens)) / base_s)
+    base_tokens, base_s, _, _, base_single = run_engine(model_dir, cfg, prompts)
+    log.info("baseline (no speculation): %d tokens in %.1fs = %.1f tokens/s%s", sum(map(len, base_tokens)), base_s,
+             sum(map(len, base_tokens)) / base_s, single_note(base_single))
     coverage = vocab_coverage(work, base_tokens)
     if coverage is not None:
         log.info("the draft vocab holds %.2f%% of the verifier's output tokens here (a ceiling on acceptance)",
@@ -77,8 +80,8 @@ def main():
     engines = ks if cfg.exact_k_sweep else ks[-1:]  # each engine is a model load (22 min for Kimi-K2.5)
     for k in engines:
         spec = {"method": method, "model": str(draft.resolve()), "num_speculative_tokens": k}
-        tokens, secs, counters, steps = run_engine(model_dir, cfg, prompts, spec)
-        row = acceptance_row(k, tokens, secs, counters, base_tokens, base_s)
+        tokens, secs, counters, steps, single = run_engine(model_dir, cfg, prompts, spec)
+        row = acceptance_row(k, tokens, secs, counters, base_tokens, base_s, single, base_single)
         row["breakdown"] = acceptance_breakdown(steps, [categories.get(r, "") for r in ids_kept], k)
         rows.append(row)
         outputs[k], steps_by_k[k] = tokens, steps
@@ -86,6 +89,10 @@ def main():
                  "(%.2fx baseline), outputs equal baseline %d/%d", k, row["acceptance_length"],
                  row["per_position_acceptance"], row["draft_acceptance_rate"], row["tokens_per_s"], row["speedup"],
                  row["outputs_equal_baseline"], row["prompts"])
+        if "speedup_concurrency_1" in row:
+            log.info("k=%d at concurrency 1 (%d prompts one at a time): %.1f tokens/s vs %.1f baseline (%.2fx)", k,
+                     min(cfg.latency_prompts, len(prompts)), row["tokens_per_s_concurrency_1"],
+                     row["baseline_tokens_per_s_concurrency_1"], row["speedup_concurrency_1"])
         for key, table in (row["breakdown"] or {}).items():
             log.info("k=%d %s: %s", k, key.replace("_", " "), ", ".join(
                 f"{name} {v['acceptance_length']:.3f}" for name, v in table.items()))
@@ -107,7 +114,8 @@ def main():
     save_results(out, rows, meta)
     save_outputs(out / "outputs.jsonl", ids_kept, base_tokens, outputs, tok, steps_by_k)
     write_manifest(out, "evaluate", {k: cfg[k] for k in ("eval_dataset", "eval_limit", "num_speculative_tokens",
-                                                         "max_new_tokens", "temperature", "exact_k_sweep")},
+                                                         "max_new_tokens", "temperature", "exact_k_sweep",
+                                                         "latency_prompts")},
                    results=rows, timings={"total_seconds": round(time.time() - t0, 1)})
     log.info("wrote %s/acceptance.json, acceptance.md and outputs.jsonl", out)
     return 0

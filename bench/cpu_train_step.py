@@ -5,6 +5,7 @@ shapes show their cost (synthetic benchmarks that repeat one batch hide it).
 
   python bench/cpu_train_step.py --work-dir runs/smollm2-135m --steps 60
   python bench/cpu_train_step.py --work-dir W --random-states   # only W/prepared/ needed (stage 1)
+  python bench/cpu_train_step.py --work-dir W --draft-method dflash --block-size 8 --draft-layers 2
 
 Prints seconds per step and tokens/s (median over the timed steps) and the mean loss, which must
 not change between two versions of the code. To compare two versions, run this file from each
@@ -21,8 +22,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path.cwd()))  # the checkout whose code is measured
-from common import draft  # noqa: E402
-from common.draft import DraftGeometry, Eagle3Draft, optimize_bf16, ttt_loss  # noqa: E402
+from common.drafts.eagle3 import DraftGeometry, Eagle3Draft, optimize_bf16  # noqa: E402
+from common.drafts.losses import compile_loss, ttt_loss  # noqa: E402
 from common.hidden_states import read_sample, sample_path, write_sample  # noqa: E402
 from common.train_data import pack, PackedDataset, to_device  # noqa: E402
 
@@ -44,12 +45,12 @@ def random_states(prepared, samples, out):
     return out
 
 
-def batches(folder, tokens, n, samples, dtype):
+def batches(folder, tokens, n, samples, dtype, shift=1):
     lengths = {i: len(read_sample(sample_path(folder, i), torch.bfloat16)["token_ids"]) for i in range(samples)}
-    bins = pack(list(lengths), lengths, tokens, 0, 0)
+    bins = pack(list(lengths), lengths, tokens, 0, 0, shift=shift)
     if len(bins) < n:
         raise SystemExit(f"only {len(bins)} packed sequences from {samples} samples; raise --samples")
-    ds = PackedDataset(folder, bins, tokens)
+    ds = PackedDataset(folder, bins, tokens, shift=shift)
     return [to_device(ds[i], torch.device("cpu"), dtype) for i in range(n)]
 
 
@@ -68,6 +69,10 @@ def main():
                     help="the draft's MLP width (04_train.py --draft-intermediate-size)")
     ap.add_argument("--draft-norms", default="fc-norm", choices=("eagle3", "norm-before-fc", "fc-norm"),
                     help="as 04_train.py's (before 2026-12-02 this bench measured eagle3)")
+    ap.add_argument("--draft-method", default="eagle3", choices=("eagle3", "dflash"))
+    ap.add_argument("--block-size", type=int, default=16, help="DFlash (04_train.py --block-size)")
+    ap.add_argument("--draft-layers", type=int, default=5, help="DFlash (04_train.py --draft-layers)")
+    ap.add_argument("--max-anchors", type=int, default=512, help="DFlash (04_train.py --max-anchors)")
     ap.add_argument("--random-states", action="store_true",
                     help="random hidden states for W/prepared/'s records instead of W/hidden_states/")
     ap.add_argument("--profile", type=int, default=0, help="print the N costliest ops of the timed steps")
@@ -78,16 +83,26 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:  # the batches are read into memory
         folder = random_states(work / "prepared", args.samples, Path(tmp)) if args.random_states \
             else work / "hidden_states"
-        data = batches(folder, args.tokens, args.warmup + args.steps, args.samples, dtype)
-    if hasattr(draft, "compile_loss"):
-        draft.compile_loss(not args.no_compile)
+        data = batches(folder, args.tokens, args.warmup + args.steps, args.samples, dtype,
+                       0 if args.draft_method == "dflash" else 1)
+    compile_loss(not args.no_compile)
     torch.manual_seed(0)
-    norms = dict(norm_before_fc=args.draft_norms == "norm-before-fc", fc_norm=args.draft_norms == "fc-norm",
-                 norm_output=args.draft_norms != "eagle3")  # as common/build_draft.py maps them
-    model = Eagle3Draft(DraftGeometry(**dict(SMOLLM2, intermediate_size=args.intermediate_size),
-                                      draft_vocab_size=args.draft_vocab, **norms))
-    if not args.fp32:  # --compile-layers: as 04_train.py does on GPUs (bf16 only)
-        optimize_bf16(model, args.compile_layers)
+    if args.draft_method == "dflash":
+        from common.drafts.dflash import DFlashDraft, DFlashGeometry
+        model = DFlashDraft(DFlashGeometry(**dict(SMOLLM2, intermediate_size=args.intermediate_size),
+                                           draft_vocab_size=args.draft_vocab, num_aux=3, num_layers=args.draft_layers,
+                                           block_size=args.block_size, mask_token_id=0))
+        step_loss = lambda m, b: m(b, args.max_anchors, generator=torch.Generator().manual_seed(len(times)))  # noqa: E731
+        if not args.fp32:
+            model.prepare_bf16()
+    else:
+        norms = dict(norm_before_fc=args.draft_norms == "norm-before-fc", fc_norm=args.draft_norms == "fc-norm",
+                     norm_output=args.draft_norms != "eagle3")  # as common/build_draft.py maps them
+        model = Eagle3Draft(DraftGeometry(**dict(SMOLLM2, intermediate_size=args.intermediate_size),
+                                          draft_vocab_size=args.draft_vocab, **norms))
+        step_loss = lambda m, b: ttt_loss(m, b, 3, 0.6)  # noqa: E731
+        if not args.fp32:  # --compile-layers: as 04_train.py does on GPUs (bf16 only)
+            optimize_bf16(model, args.compile_layers)
     opt = torch.optim.AdamW(model.trainable_parameters(), lr=1e-3, betas=(0.9, 0.95))
     times, losses, tokens = [], [], []
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if args.profile else None
@@ -96,7 +111,7 @@ def main():
             prof.__enter__()
         t = time.perf_counter()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=not args.fp32):
-            loss, _ = ttt_loss(model, b, 3, 0.6)
+            loss, _ = step_loss(model, b)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.trainable_parameters(), 0.5)
         opt.step()

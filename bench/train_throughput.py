@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Training-step throughput: our draft step versus speculators 0.9.0's Eagle3DraftModel, same inputs.
+"""Training-step throughput: our draft step versus speculators 0.9.0's (Eagle3DraftModel, or DFlashDraftModel with
+--method dflash), same inputs.
 
 Synthetic but realistic packed batches: documents of 200..2048 tokens, ~60% loss mask, random
 (never zero) hidden states. Times forward + backward + AdamW step, median of --steps after
@@ -8,6 +9,10 @@ between steps, GPU time per step from CUDA events). Prints one table and writes 
 
   python bench/train_throughput.py --geometry smollm2 --tokens 2048 --draft-vocab 4096      # CPU
   python bench/train_throughput.py --geometry kimi --draft-vocab 32000 --tokens 4096 8192 16384 --device cuda
+  python bench/train_throughput.py --method dflash --block-size 8 --draft-layers 2 --geometry kimi ... --check
+
+--check (GPU) also measures each implementation's own bf16-autocast gradients against its fp32 ones from the same
+weights, batch and anchors: how far bf16 moves a gradient is a property of the batch, not only of our code.
 
 Variants of ours (--variants): "sdpa" = eager, per-document SDPA; "flex" = flex attention; "flex+compile"
 = flex attention plus compiled norms/SwiGLU/RoPE (what 04_train.py runs on a GPU by default).
@@ -25,8 +30,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common import draft  # noqa: E402
-from common.draft import DraftGeometry, Eagle3Draft, OnHost, optimize_bf16, take_embedding, ttt_loss  # noqa: E402
+from common.drafts import layers  # noqa: E402
+from common.drafts.eagle3 import DraftGeometry, Eagle3Draft, optimize_bf16, take_embedding  # noqa: E402
+from common.drafts.ttt_plan import OnHost  # noqa: E402
 from common.precision import use_bf16  # noqa: E402
 
 GEOMETRIES = {
@@ -185,11 +191,12 @@ def numerical_check(g, batch, device, args):
             print("   ", "  ".join(f"{n.replace('layers.0.', '')} {e:.1e}" for n, e in errs.items()))
             print(f"check {name:18s} vs {ref:10s}: loss {loss:.6f}  rel err {abs(loss - ref_loss) / abs(ref_loss):.2e}  "
                   f"max grad rel err (per tensor, L2) {err:.2e}", flush=True)
-    draft.apply_rope = draft._apply_rope
+    layers.use_compiled_rope(False)
     return rows
 
 
-def speculators_step(g, batch, device, args):
+def eagle_speculators(g, batch, device, args, bf16):
+    """speculators' Eagle3DraftModel -> (model, loss function)."""
     from speculators.config import SpeculatorsConfig, VerifierConfig
     from speculators.losses import resolve_loss_config
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig
@@ -210,23 +217,174 @@ def speculators_step(g, batch, device, args):
         for p in model.parameters():
             if p.isnan().any():
                 p.normal_(0, 0.02)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4,
-                            fused=device.type == "cuda")
     loss_cfg = resolve_loss_config("kl_div", "eager")  # its fused loss is Triton/GPU only
-    ctx = torch.autocast(device.type, torch.bfloat16, enabled=args.speculators_bf16)
-    hs = torch.bfloat16 if args.speculators_bf16 else torch.float32
+    ctx = torch.autocast(device.type, torch.bfloat16, enabled=bf16)
+    hs = torch.bfloat16 if bf16 else torch.float32
     kw = dict(hidden_states=batch["aux"][None].to(hs), input_ids=batch["ids"][None], document_ids=batch["doc"][None],
               loss_mask=batch["loss_mask"][None].bool(), position_ids=batch["pos"][None],
               verifier_last_hidden_states=batch["target_hidden"][None].to(hs), ttt_steps=args.ttt,
               ttt_step_loss_decay=0.8, loss_config=loss_cfg)
 
-    def step():
+    def loss():
         with ctx:
-            _, loss, _ = model(**kw)
-        loss.backward()
+            return model(**kw)[1]
+    return model, loss
+
+
+def speculators_step(g, batch, device, args):
+    model, loss = eagle_speculators(g, batch, device, args, args.speculators_bf16)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda")
+
+    def step():
+        loss().backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
     return step
+
+
+# --- DFlash (--method dflash): our DFlashDraft against speculators' DFlashDraftModel -----------------------------
+
+def dflash_geometry(g, args):
+    from common.drafts.dflash import DFlashGeometry
+    keep = {k: getattr(g, k) for k in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
+                                        "rms_norm_eps", "rope_theta", "max_position_embeddings",
+                                        "verifier_vocab_size", "draft_vocab_size")}
+    return DFlashGeometry(**keep, num_layers=args.draft_layers, block_size=args.block_size, num_aux=3,
+                          mask_token_id=g.verifier_vocab_size - 1)
+
+
+def dflash_ours(dg, batch, device, args, bf16):
+    """-> (model, loss function) as 04_train.py runs it: bf16 frozen pieces under autocast, fp32 master weights."""
+    from common.drafts.dflash import DFlashDraft
+    model = DFlashDraft(dg)
+    with torch.no_grad():
+        model.verifier_lm_head.weight.copy_(model.lm_head.weight)
+    model = model.to(device)
+    if bf16:
+        model.prepare_bf16()
+    b = batch if bf16 else fp32_batch(batch)
+    ctx = torch.autocast(device.type, torch.bfloat16, enabled=bf16)
+
+    def loss():
+        with ctx:
+            return model(b, args.max_anchors, anchors=batch["anchors"])[0]
+    return model, loss
+
+
+def dflash_speculators(dg, batch, device, args, bf16):
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.losses import resolve_loss_config
+    from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from transformers import Qwen3Config
+    layer = Qwen3Config(vocab_size=dg.verifier_vocab_size, hidden_size=dg.hidden_size,
+                        intermediate_size=dg.intermediate_size, num_hidden_layers=dg.num_layers,
+                        num_attention_heads=dg.num_heads, num_key_value_heads=dg.num_kv_heads, head_dim=dg.head_dim,
+                        rms_norm_eps=dg.rms_norm_eps, max_position_embeddings=dg.max_position_embeddings,
+                        rope_parameters={"rope_type": "default", "rope_theta": dg.rope_theta})
+    if device.type != "cuda":
+        layer._attn_implementation = "sdpa"  # its flex-attention default has no CPU backward
+    conf = DFlashSpeculatorConfig(
+        transformer_layer_config=layer, draft_vocab_size=dg.draft_vocab_size, block_size=dg.block_size,
+        aux_hidden_state_layer_ids=[1, 2, 3], mask_token_id=dg.mask_token_id,
+        speculators_config=SpeculatorsConfig(
+            algorithm="dflash", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=dg.block_size - 1)],
+            default_proposal_method="greedy", verifier=VerifierConfig(name_or_path=None, architectures=[])))
+    model = DFlashDraftModel(conf).to(device)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.isnan().any():  # its frozen pieces start empty
+                p.normal_(0, 0.02)
+    hs = torch.bfloat16 if bf16 else torch.float32
+    kw = dict(hidden_states=batch["aux"][None].to(hs), input_ids=batch["ids"][None],
+              loss_mask=batch["loss_mask"][None], verifier_last_hidden_states=batch["target_hidden"][None].to(hs),
+              document_ids=batch["doc"][None], position_ids=batch["pos"][None],
+              loss_config=resolve_loss_config("ce", "eager"), gamma=4.0, max_anchors=args.max_anchors,
+              per_position_loss_weight="dpace", dpace_alpha=0.5)
+    ctx = torch.autocast(device.type, torch.bfloat16, enabled=bf16)
+
+    def loss():
+        torch.manual_seed(0)  # its anchors are drawn inside the forward: the same ones in every run
+        with ctx:
+            return model(**kw)[1]
+    return model, loss
+
+
+def fp32_batch(batch):
+    return {k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in batch.items()}
+
+
+def train_step(model, loss):
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=next(model.parameters()).is_cuda)
+
+    def step():
+        loss().backward()
+        torch.nn.utils.clip_grad_norm_(params, 0.5)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def bf16_gradient_gap(make, dg, batch, device, args):
+    """One implementation's bf16-autocast gradients against its own fp32 gradients, from the same weights:
+    -> (loss rel err, {tensor: per-tensor L2 rel err})."""
+    torch.manual_seed(0)
+    runs, state = {}, None
+    for bf16 in (False, True):
+        model, loss = make(dg, batch, device, args, bf16)
+        if bf16:
+            model.load_state_dict(state, strict=False)
+        else:
+            state = {k: v.clone() for k, v in model.state_dict().items()}
+        value = loss()
+        value.backward()
+        runs[bf16] = (value.item(), {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None})
+        del model
+    (l32, g32), (l16, g16) = runs[False], runs[True]
+    return abs(l16 - l32) / abs(l32), {n: ((g16[n] - g32[n]).norm() / g32[n].norm()).item() for n in g32}
+
+
+def dflash_main(g, args, device, result):
+    from common.drafts.dflash import select_anchors
+    dg = dflash_geometry(g, args)
+    impls = [("ours (DFlashDraft)", dflash_ours)] + ([] if args.skip_speculators else
+                                                     [("speculators 0.9.0", dflash_speculators)])
+    rows = result["rows"]
+    for T in args.tokens:
+        batch = make_batch(T, g, device, seed=T, max_doc=args.max_doc, bf16=args.bf16)
+        batch["loss_mask"] = batch["loss_mask"].bool()
+        batch["anchors"] = select_anchors(batch["loss_mask"], args.max_anchors, dg.block_size).to(device)
+        if args.check:
+            for name, make in impls:
+                loss_err, errs = bf16_gradient_gap(make, dg, batch, device, args)
+                print(f"check {name}: bf16 vs fp32 loss rel err {loss_err:.1e}; grads (per tensor, L2) max "
+                      f"{max(errs.values()):.1e}, median {statistics.median(errs.values()):.1e}", flush=True)
+                result.setdefault("check", {})[name] = {"loss_rel_err": loss_err, "grad_rel_err": errs}
+        for name, make in impls:
+            torch.manual_seed(0)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            try:
+                step = train_step(*make(dg, batch, device, args, args.bf16))
+                sec = timed(step, args.warmup, args.steps, device)
+            except torch.OutOfMemoryError:
+                print(f"{name:24s} T={T:6d}  out of memory", flush=True)
+                rows.append({"impl": name, "tokens": T, "oom": True})
+                continue
+            mem = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+            rows.append({"impl": name, "tokens": T, "step_s": round(sec, 4), "tokens_per_s": round(T / sec, 1),
+                         "peak_gib": round(mem, 2)})
+            print(f"{name:24s} T={T:6d}  {sec:8.3f} s/step  {T / sec:10.1f} tokens/s  peak {mem:6.2f} GiB", flush=True)
+            del step
+    ref = {r["tokens"]: r for r in rows if r["impl"].startswith("speculators") and not r.get("oom")}
+    for r in rows:
+        if r["impl"].startswith("ours") and r["tokens"] in ref and not r.get("oom"):
+            b = ref[r["tokens"]]
+            print(f"T={r['tokens']}: ours / speculators = {r['tokens_per_s'] / b['tokens_per_s']:.2f}x tokens/s, "
+                  f"{r['peak_gib'] / b['peak_gib']:.2f}x memory")
 
 
 def main():
@@ -247,6 +405,10 @@ def main():
     ap.add_argument("--amp", default="auto", choices=["auto", "bf16", "off"], help="ours, as 04_train.py --amp")
     ap.add_argument("--speculators-amp", default="auto", choices=["auto", "bf16", "off"],
                     help="speculators' step: auto = bf16 autocast on CUDA, fp32 on CPU")
+    ap.add_argument("--method", default="eagle3", choices=["eagle3", "dflash"])
+    ap.add_argument("--block-size", type=int, default=8, help="DFlash")
+    ap.add_argument("--draft-layers", type=int, default=2, help="DFlash")
+    ap.add_argument("--max-anchors", type=int, default=512, help="DFlash: blocks per packed sequence")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -261,8 +423,20 @@ def main():
               "gflop_per_token": fpt / 1e9, "ceiling_tflops": ceiling / 1e12, "rows": []}
     if device.type == "cuda":
         result["gpu"] = torch.cuda.get_device_name(device)
+    if args.method == "dflash":
+        dflash_main(g, args, device, result)
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1))
+        return
     if args.check and device.type == "cuda":
-        result["check"] = numerical_check(g, make_batch(min(args.tokens), g, device, seed=1, max_doc=args.max_doc), device, args)
+        batch = make_batch(min(args.tokens), g, device, seed=1, max_doc=args.max_doc)
+        result["check"] = numerical_check(g, batch, device, args)
+        if not args.skip_speculators:  # speculators' own bf16 gap on the same batch
+            loss_err, errs = bf16_gradient_gap(eagle_speculators, g, batch, device, args)
+            print(f"check speculators bf16 vs its fp32: loss rel err {loss_err:.1e}; grads (per tensor, L2) max "
+                  f"{max(errs.values()):.1e}, median {statistics.median(errs.values()):.1e}", flush=True)
+            print("   ", "  ".join(f"{n.replace('layers.0.', '')} {e:.1e}" for n, e in errs.items()))
+            result["check"]["speculators bf16 vs its fp32"] = {"loss_rel_err": loss_err, "grad_rel_err": errs}
     rows = result["rows"]
     for T in args.tokens:
         batch = make_batch(T, g, device, seed=T, max_doc=args.max_doc, bf16=args.bf16)

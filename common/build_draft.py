@@ -1,8 +1,8 @@
 """The draft model for stage 4: its geometry from the verifier's config, its frozen pieces from the verifier's weights."""
 import torch
 
-from common.dflash import DFlashDraft, DFlashGeometry
-from common.draft import DraftGeometry, Eagle3Draft
+from common.drafts.dflash import DFlashDraft, DFlashGeometry
+from common.drafts.eagle3 import DraftGeometry, Eagle3Draft
 from common.errors import UsageError
 from common.models import load_verifier_pieces
 

@@ -174,6 +174,9 @@ OPTIONS = [
         "largest k's run unless --exact-k-sweep)", stages="5", range="[1, inf)"),
     Opt("exact_k_sweep", _bool, False, "one engine (one model load) per k of --num-speculative-tokens instead of "
         "deriving the smaller k from the largest k's per-position counts", stages="5", flag=True),
+    Opt("latency_prompts", int, 8, "also decode the first N prompts one at a time, with and without the draft: "
+        "tokens/s at concurrency 1, what one user waiting for an answer sees (0 = skip)", stages="5",
+        range="[0, inf)"),
 ]
 BY_NAME = {o.name: o for o in OPTIONS}
 

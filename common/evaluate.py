@@ -73,8 +73,10 @@ def per_request_metrics_supported():
 
 
 def run_engine(model_dir, cfg, prompts, speculative=None):
-    """Generate greedily (or at --temperature) for all prompts; -> (token lists, seconds, counters, steps):
-    steps[i] = prompt i's accepted drafts per verify step, in order (None without per-request metrics)."""
+    """Generate greedily (or at --temperature) for all prompts at once; -> (token lists, seconds, counters, steps,
+    single): steps[i] = prompt i's accepted drafts per verify step, in order (None without per-request metrics);
+    single = (tokens, seconds) of the first --latency-prompts prompts decoded one at a time, after the batch
+    (so vLLM's counters above are the whole batch's)."""
     from vllm import SamplingParams
 
     from common.engine import close_llm, make_llm
@@ -93,10 +95,22 @@ def run_engine(model_dir, cfg, prompts, speculative=None):
     after = spec_counters(llm)
     counters = {k: (after[k] - before[k]) if k != "per_pos" else
                 [a - b for a, b in zip(after[k], before[k] or [0] * len(after[k]))] for k in after}
+    single = one_at_a_time(llm, prompts[:cfg.latency_prompts], params)
     close_llm(llm)
     steps = [list(o.outputs[0].spec_decode_metrics.per_step_accepted) if o.outputs[0].spec_decode_metrics else None
              for o in outs]
-    return [list(o.outputs[0].token_ids) for o in outs], seconds, counters, steps
+    return [list(o.outputs[0].token_ids) for o in outs], seconds, counters, steps, single
+
+
+def one_at_a_time(llm, prompts, params):
+    """-> (output tokens, seconds) decoding each prompt alone: concurrency 1, where a draft pays off on a GPU's
+    idle compute (a full batch is compute-bound on a CPU). None for no prompts."""
+    if not prompts:
+        return None
+    tokens, t0 = 0, time.time()
+    for p in prompts:
+        tokens += len(llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids)
+    return tokens, time.time() - t0
 
 
 BUCKET = 64  # answer positions per bucket of the by-position breakdown
@@ -127,7 +141,21 @@ def acceptance_breakdown(steps, groups, k, bucket=BUCKET):
     return out
 
 
-def acceptance_row(k, tokens, seconds, counters, base_tokens, base_seconds):
+def single_note(single):
+    return "" if not single else f"; one prompt at a time: {single[0]} tokens in {single[1]:.1f}s = " \
+        f"{single[0] / single[1]:.1f} tokens/s"
+
+
+def concurrency_one(single, base_single):
+    """tokens/s with and without the draft when prompts are decoded one at a time; {} when not measured."""
+    if not single or not base_single:
+        return {}
+    rate, base = single[0] / single[1], base_single[0] / base_single[1]
+    return {"tokens_per_s_concurrency_1": round(rate, 2), "baseline_tokens_per_s_concurrency_1": round(base, 2),
+            "speedup_concurrency_1": round(rate / base, 3)}
+
+
+def acceptance_row(k, tokens, seconds, counters, base_tokens, base_seconds, single=None, base_single=None):
     n_out = sum(len(t) for t in tokens)
     drafts = max(counters["drafts"], 1)
     return {"num_speculative_tokens": k, "acceptance_length": round(1 + counters["accepted"] / drafts, 4),
@@ -137,7 +165,8 @@ def acceptance_row(k, tokens, seconds, counters, base_tokens, base_seconds):
             "tokens_per_s": round(n_out / seconds, 2),
             "baseline_tokens_per_s": round(sum(len(t) for t in base_tokens) / base_seconds, 2),
             "speedup": round((n_out / seconds) / (sum(len(t) for t in base_tokens) / base_seconds), 3),
-            "outputs_equal_baseline": sum(a == b for a, b in zip(tokens, base_tokens)), "prompts": len(tokens)}
+            "outputs_equal_baseline": sum(a == b for a, b in zip(tokens, base_tokens)), "prompts": len(tokens),
+            **concurrency_one(single, base_single)}
 
 
 def compare_with_training(rows, best, log):
@@ -196,6 +225,12 @@ def markdown_table(rows, label):
                      f"{' / '.join(f'{x:.3f}' for x in r['per_position_acceptance'])} | "
                      f"{r['draft_acceptance_rate']:.3f} | {_num(r['tokens_per_s'], '.1f')} | "
                      f"{r['baseline_tokens_per_s']:.1f} | {_num(r['speedup'], '.2f', 'x')} | {equal} |")
+    single = [r for r in rows if r.get("tokens_per_s_concurrency_1")]
+    if single:
+        lines += ["", "Tokens/s at concurrency 1 (the first prompts decoded one at a time: what one user waiting for "
+                      "an answer sees)", "", "| k | tokens/s | baseline tokens/s | speedup |", "|---|---|---|---|"]
+        lines += [f"| {r['num_speculative_tokens']} | {r['tokens_per_s_concurrency_1']:.1f} | "
+                  f"{r['baseline_tokens_per_s_concurrency_1']:.1f} | {r['speedup_concurrency_1']:.2f}x |" for r in single]
     if any(r.get("derived_from_k") for r in rows):
         lines += ["", "Rows marked 'from k=K' are derived from the k=K run's per-position counts (no engine of "
                       "their own; --exact-k-sweep runs one per k)."]

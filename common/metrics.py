@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from common.draft import acceptance_length
+from common.drafts.acceptance import acceptance_length
 
 
 def summarize(sums, ttt_steps):

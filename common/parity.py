@@ -15,8 +15,8 @@ def load_exported_draft(work):
     """Our draft (EAGLE-3 or DFlash) with the exported (bf16) weights of <work>/final_draft, as vLLM loads them;
     -> (model, d2t)."""
     from common.build_draft import build_model
-    from common.dflash import DFlashGeometry
-    from common.draft import DraftGeometry
+    from common.drafts.dflash import DFlashGeometry
+    from common.drafts.eagle3 import DraftGeometry
     man = json.loads((work / "train" / "manifest.json").read_text())
     d2t = np.load(work / "vocab" / "d2t.npy")
     model_dir = json.loads((work / "prepared" / "manifest.json").read_text())["params"]["model_dir"]

@@ -10,7 +10,7 @@ import random
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from common.draft import OnHost
+from common.drafts.ttt_plan import OnHost
 from common.errors import UsageError, first_line
 from common.hidden_states import read_sample, sample_path
 

@@ -9,7 +9,8 @@ import torch
 from common.checkpoints import gather_states, latest_checkpoint, load_checkpoint, prune_checkpoints, read_state, \
     save_checkpoint
 from common.distributed import agreed, all_reduce_sums, global_sums, wrap_parallel
-from common.draft import compile_loss, optimize_bf16, take_embedding
+from common.drafts.eagle3 import optimize_bf16, take_embedding
+from common.drafts.losses import compile_loss
 from common.errors import UsageError
 from common.log import fmt_duration
 from common.metrics import accumulate, merge_sums, peak_memory_gb, summarize
@@ -312,7 +313,7 @@ class Trainer:
         self.opt.zero_grad(set_to_none=True)
 
     def _log_train(self, window, step_time):
-        st, cfg = self.state, self.cfg
+        st = self.state
         elapsed = time.time() - window["t"]
         s = summarize(window["sums"], self.positions)
         tps = window["tokens"] / max(elapsed, 1e-9)

@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from common.dflash import DFlashDraft, DFlashGeometry
+from common.drafts.dflash import DFlashDraft, DFlashGeometry
 from conftest import run_script
 
 V, VD, H, BS = 211, 64, 64, 4
@@ -181,13 +181,16 @@ def test_methods_are_not_mixed_up(dflash_run, tmp_path):
 def test_vllm_serves_the_dflash_draft_with_the_verifiers_outputs(dflash_run):
     work, _ = dflash_run
     proc = run_script("05_evaluate.py", "--work-dir", work, *DFLASH, "--eval-limit", 4, "--max-new-tokens", 32,
-                      "--max-seq-len", 512)
+                      "--max-seq-len", 512, "--latency-prompts", 2)
     assert proc.returncode == 0, proc.output[-3000:]
+    assert "k=3 at concurrency 1 (2 prompts one at a time):" in proc.output
     assert "Resolved architecture: DFlashDraftModel" in proc.output
     row = json.loads((work / "eval" / "acceptance.json").read_text())["results"][0]
     assert row["num_speculative_tokens"] == 3 and row["drafts"] > 0
     assert row["outputs_equal_baseline"] == row["prompts"] == 4  # fp32: speculative greedy = plain greedy
     assert row["acceptance_length"] == round(1 + row["accepted_tokens"] / row["drafts"], 4)
+    one, base = row["tokens_per_s_concurrency_1"], row["baseline_tokens_per_s_concurrency_1"]
+    assert one > 0 and base > 0 and abs(row["speedup_concurrency_1"] - one / base) < 2e-3
 
 
 def test_the_mask_token_is_resolved_as_speculators_does_or_refused(tokenizer):

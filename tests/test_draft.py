@@ -7,8 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common import draft
-from common.draft import DraftGeometry, Eagle3Draft, rope, ttt_loss
+from common.drafts import ttt_plan
+from common.drafts.eagle3 import DraftGeometry, Eagle3Draft
+from common.drafts.layers import rope
+from common.drafts.losses import ttt_loss
 
 
 def tiny_batch(T=300, seed=0, vocab=500, H=64):
@@ -61,7 +63,7 @@ def dense_reference(m, b, ttt, decay):
 @pytest.mark.parametrize("bucket", [1, 64])
 def test_row_subsets_equal_dense_reference(bucket, monkeypatch):
     """bucket 64: the attention products' sizes rounded up as in bf16 (extra keys and queries), here in fp64."""
-    monkeypatch.setattr(draft, "attn_bucket", lambda dtype: bucket)
+    monkeypatch.setattr(ttt_plan, "attn_bucket", lambda dtype: bucket)
     g = DraftGeometry(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
                       rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=512, verifier_vocab_size=500,
                       draft_vocab_size=500)
@@ -87,26 +89,26 @@ def test_bf16_attention_close_to_fp32():
     query rows): every TTT step's output stays within bf16 rounding of the fp32 path, which rounds nothing."""
     b = tiny_batch()
     T, heads, kv, dim = 300, 4, 2, 16
-    ix = draft.index_plan(b["loss_mask"].bool(), b["doc"], b["docs"], 3)
+    ix = ttt_plan.index_plan(b["loss_mask"].bool(), b["doc"], b["docs"], 3)
     gen = torch.Generator().manual_seed(1)
     qs = [3 * torch.randn(heads, len(ix["rows"][k]), dim, generator=gen) for k in range(3)]  # peaked attention
     cache = [(torch.randn(kv, n, dim, generator=gen), torch.randn(kv, n, dim, generator=gen))
              for n in [T] + [len(ix["rows"][k]) for k in (1, 2)]]
     bf = lambda t: t.to(torch.bfloat16)  # noqa: E731
     for dtype in (torch.float32, torch.bfloat16):  # the same bf16-rounded inputs to both
-        plan = draft.make_plan(ix, T, b["doc"], b["docs"], torch.device("cpu"))
+        plan = ttt_plan.make_plan(ix, T, b["doc"], b["docs"], torch.device("cpu"))
         plan.cache = [(bf(k).to(dtype), bf(v).to(dtype)) for k, v in cache]
         out = [plan.attend(bf(q).to(dtype), k).float() for k, q in enumerate(qs)]
         if dtype == torch.float32:
             ref = out
-    assert draft.attn_bucket(torch.bfloat16) == 64
+    assert ttt_plan.attn_bucket(torch.bfloat16) == 64
     for o, r in zip(out, ref):
         assert (o - r).abs().max().item() < 0.05
 
 
 def test_cpu_linear_rounds_rows_without_changing_results():
     """Rows padded to a multiple of 64 for oneDNN's kernel reuse: same outputs and gradients as nn.Linear."""
-    from common.draft import Linear
+    from common.drafts.layers import Linear
     torch.manual_seed(0)
     lin = Linear(24, 40, bias=False).double()
     x = torch.randn(37, 24, dtype=torch.double, requires_grad=True)
@@ -126,7 +128,7 @@ def test_cpu_linear_rounds_rows_without_changing_results():
 
 def test_compiled_loss_equals_eager():
     """--compile on the CPU: the fused KL passes give the eager values, gradients and top tokens."""
-    import common.draft as D
+    import common.drafts.losses as D
     torch.manual_seed(0)
     logits = (torch.randn(45, 300) * 3).bfloat16()
     target_logp = torch.randn(60, 300).mul(2).log_softmax(-1)

@@ -1,5 +1,5 @@
 """Stage 5's breakdown of vLLM's per-request verify steps by prompt category and answer position."""
-from common.evaluate import acceptance_breakdown, markdown_table, prompt_categories
+from common.evaluate import acceptance_breakdown, acceptance_row, markdown_table, prompt_categories
 
 
 def test_breakdown_places_each_verify_step_where_its_drafts_start():
@@ -21,6 +21,18 @@ def test_breakdown_places_each_verify_step_where_its_drafts_start():
     md = markdown_table([row], "test")
     assert "k=3 by prompt category" in md and "| writing | 3 | 2.333 | 0.667 / 0.333 / 0.333 |" in md
     assert "| 4-5 | 1 | 4.000 | 1.000 / 1.000 / 1.000 |" in md
+
+
+def test_concurrency_one_sits_beside_the_whole_batch_figure():
+    counters = {"drafts": 4, "draft_tokens": 12, "accepted": 6, "per_pos": [3, 2, 1]}
+    row = acceptance_row(3, [[1] * 10, [2] * 10], 2.0, counters, [[1] * 10, [2] * 9], 1.0, (30, 1.5), (40, 4.0))
+    assert (row["tokens_per_s"], row["baseline_tokens_per_s"], row["speedup"]) == (10.0, 19.0, 0.526)
+    assert (row["tokens_per_s_concurrency_1"], row["baseline_tokens_per_s_concurrency_1"],
+            row["speedup_concurrency_1"]) == (20.0, 10.0, 2.0)
+    assert row["outputs_equal_baseline"] == 1 and row["acceptance_length"] == 2.5
+    assert "| 3 | 20.0 | 10.0 | 2.00x |" in markdown_table([row], "test")
+    plain = acceptance_row(3, [[1]], 1.0, counters, [[1]], 1.0)  # --latency-prompts 0: not measured, not shown
+    assert "speedup_concurrency_1" not in plain and "concurrency 1" not in markdown_table([plain], "test")
 
 
 def test_mtbench_prompts_carry_their_eight_categories():

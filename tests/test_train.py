@@ -82,7 +82,7 @@ def same_as_speculators(ref, ours, batch):
     """Both models on one packed sample: the same draft tokens at every TTT step and the same loss; -> our logits."""
     from speculators.losses import resolve_loss_config
 
-    from common.draft import ttt_loss
+    from common.drafts.losses import ttt_loss
     ours.eval()
     with torch.no_grad():
         draft_tokens, ref_loss, _ = ref(
@@ -103,7 +103,8 @@ def same_as_speculators(ref, ours, batch):
 def test_speculators_loads_checkpoint_and_computes_same_outputs(trained):
     """speculators' own Eagle3DraftModel, given our exported folder, predicts the same tokens and loss."""
     from common.build_draft import build_model
-    from common.draft import DraftGeometry, take_embedding, ttt_loss
+    from common.drafts.eagle3 import DraftGeometry, take_embedding
+    from common.drafts.losses import ttt_loss
     from common.train_data import PackedDataset
     ref = speculators_model(trained / "final_draft")
     batch = float_batch(trained / "hidden_states")
@@ -187,7 +188,7 @@ def test_sigkill_resume_matches_uninterrupted(extracted, tmp_path):
 def test_kimi_config_export_matches_aq_medai_reference():
     """configs/kimi-k2.5.yaml exports the AQ-MedAI draft's names and shapes (meta device, no weights)."""
     from common.config import parse_config
-    from common.draft import Eagle3Draft
+    from common.drafts.eagle3 import Eagle3Draft
     from common.export import compare_with_reference, export_weights
     from common.build_draft import geometry
     cfg = parse_config(4, "t", ["--config", str(ROOT / "configs" / "kimi-k2.5.yaml")])
@@ -249,7 +250,7 @@ def test_hidden_noise_scales_with_each_layers_state():
 
 def test_build_model_from_trained_weights_skips_random_init(extracted):
     """The FSDP export path: a draft built from checkpoint weights equals one loaded the usual way."""
-    from common.draft import DraftGeometry
+    from common.drafts.eagle3 import DraftGeometry
     from common.models import resolve_verifier
     from common.build_draft import build_model
     from common.checkpoints import trainable_state

@@ -19,12 +19,11 @@ packed document; blocks that stay inside one document compute exactly what specu
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from common.draft import RMSNorm, rope_cos_sin, _apply_rope
-
-LOSS_EPS = 1e-5  # speculators' _LOSS_REDUCTION_EPS
+from common.drafts.acceptance import block_metrics
+from common.drafts.layers import MLP, RMSNorm, _apply_rope, rope_cos_sin
+from common.drafts.losses import LOSS_EPS, slot_loss, slot_weights
 
 
 @dataclass
@@ -82,13 +81,12 @@ def block_plan(doc, anchors, block_size):
     context, not every block x the packed length (speculators' dense mask)."""
     doc, anchors = doc.cpu(), anchors.cpu()
     starts = torch.cat([torch.tensor([0]), (doc[1:] != doc[:-1]).nonzero().squeeze(-1) + 1])
-    ends = torch.cat([starts[1:], torch.tensor([len(doc)])])
     of = torch.searchsorted(starts, anchors, right=True) - 1  # each anchor's document
     plan, j = [], 0
     while j < len(anchors):
         d = of[j]
         n = int((of[j:] == d).sum())
-        s, e = int(starts[d]), int(ends[d])
+        s = int(starts[d])
         plan.append((j, j + n, s, int(anchors[j + n - 1]), anchors[j:j + n] - s))
         j += n
     return plan
@@ -113,17 +111,6 @@ def block_attention(q, k, v, T, plan, bs, scale):
     return out
 
 
-class MLP(nn.Module):
-    def __init__(self, g):
-        super().__init__()
-        self.gate_proj = nn.Linear(g.hidden_size, g.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(g.hidden_size, g.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(g.intermediate_size, g.hidden_size, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class BlockLayer(nn.Module):
     def __init__(self, g):
         super().__init__()
@@ -145,19 +132,6 @@ def select_anchors(loss_mask, max_anchors, block_size, generator=None):
     idx = valid.nonzero().squeeze(-1)
     perm = torch.randperm(idx.numel(), generator=generator, device=idx.device)[:max_anchors]
     return idx[perm].sort().values
-
-
-def slot_weights(kind, slot, mask, elementwise, block_size, gamma, dpace_alpha):
-    """Per-slot loss weights [Q]. fixed: exp(-(i - 1) / gamma) for slot i >= 1 (speculators' dflash_loss_decay);
-    dpace: sum over the slots m >= i of the smoothed chance that slots 1..m are all accepted (D-PACE)."""
-    if kind == "fixed":
-        return torch.exp(-(slot - 1).clamp(min=0).float() / gamma) * (slot != 0)
-    with torch.no_grad():
-        q = torch.exp(-elementwise).float().view(-1, block_size)
-        m = mask.view(-1, block_size).float()
-        smooth = torch.where(m > 0, (1 - dpace_alpha) * q + dpace_alpha, torch.ones_like(q))
-        prefix = torch.cumprod(smooth, dim=-1)
-        return (torch.flip(torch.cumsum(torch.flip(prefix * m, [-1]), -1), [-1]) * m).view(-1)
 
 
 class DFlashDraft(nn.Module):
@@ -266,35 +240,6 @@ class DFlashDraft(nn.Module):
             if k.startswith("loss_"):
                 sums[k] = sums[k] / n
         return torch.stack(losses).mean(), sums
-
-
-def slot_loss(kind, logits, targets):
-    """[Q] per-slot loss in fp32: ce (to the verifier's argmax, D-PACE's confidence is exp(-ce)) or kl."""
-    if kind == "ce":
-        return F.cross_entropy(logits.float(), targets.argmax(-1), reduction="none")
-    return F.kl_div(F.log_softmax(logits.float(), -1), F.softmax(targets.float(), -1), reduction="none").sum(-1)
-
-
-def block_metrics(logits, targets, mask, kl, bs):
-    """The keys EAGLE-3's training reports, per draft slot k = 0..bs-2 (slot k + 1 of the block): KL, and accuracy
-    of the first k + 1 drafts all right (full) and of draft k given the earlier ones right (cond), so that the
-    simulated acceptance length 1 + sum_k full_acc_k is the mean accepted run of a block plus the bonus token.
-    `loss_k` is the mean per-slot loss (ce or kl) of slot k + 1."""
-    with torch.no_grad():
-        right = (logits.argmax(-1) == targets.argmax(-1)).view(-1, bs)[:, 1:]
-        valid = mask.view(-1, bs)[:, 1:]
-        chain = torch.ones_like(right[:, 0])
-        out = {}
-        for k in range(bs - 1):
-            ok = right[:, k] & valid[:, k]
-            before = chain & valid[:, k]
-            out[f"loss_{k}"] = (kl.view(-1, bs)[:, k + 1].sum() / valid[:, k].sum().clamp(min=1)).detach()
-            out[f"full_correct_{k}"] = (ok & chain).sum()
-            out[f"full_total_{k}"] = valid[:, k].sum()
-            out[f"cond_correct_{k}"] = (ok & chain).sum()
-            out[f"cond_total_{k}"] = before.sum()
-            chain = chain & ok
-        return out
 
 
 def trainable_count(g):
