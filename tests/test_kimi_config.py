@@ -5,6 +5,7 @@ laid out in an HF cache the test makes. Only sizes change on the command line (a
 this machine cannot reach)."""
 import json
 import os
+import shutil
 import subprocess
 
 import pytest
@@ -28,8 +29,8 @@ def hub(tmp_path_factory):
     return dict(env), snap
 
 
-def wrapper(env, *args):
-    proc = subprocess.run(["bash", str(ROOT / "run_pipeline.sh"), CONFIG, *map(str, args)], cwd=ROOT,
+def wrapper(env, *args, config=CONFIG):
+    proc = subprocess.run(["bash", str(ROOT / "run_pipeline.sh"), config, *map(str, args)], cwd=ROOT,
                           capture_output=True, text=True, timeout=1800, env=dict(os.environ, **env))
     proc.output = proc.stdout + proc.stderr
     return proc
@@ -99,3 +100,41 @@ def test_a_hub_verifier_without_its_final_norm_is_refused_by_every_dry_run(hub, 
     proc = run_script("01_prepare_dataset.py", "--config", CONFIG, "--work-dir", hub_run, *SIZES[:-1], "--verifier",
                       "acme/not-cached", "--dry-run", env=env)
     assert proc.returncode == 2 and "--verifier acme/not-cached: not in the HF cache" in proc.stderr
+
+
+DFLASH = "configs/kimi-k2.5-dflash.yaml"
+# z-lab's DFlash geometry on the miniature's hidden 256 (64 query / 8 KV heads of 128 -> 4 / 2 heads of 64); six aux
+# layers of its 8 (the shipped config taps six of 61) and the final one
+DFLASH_SIZES = ["--tensor-parallel-size", 1, "--dataset", "packaged", "--layer-ids", "2,3,4,5,6,7,8",
+                "--max-tokens-per-batch", 4096, "--draft-vocab-size", 4096, "--draft-num-heads", 4,
+                "--draft-num-kv-heads", 2, "--draft-head-dim", 64, "--draft-intermediate-size", 640, "--rehearse"]
+
+
+@pytest.fixture(scope="module")
+def dflash_run(hub, hub_run, tmp_path_factory):
+    """The shipped DFlash config, run as its first command: stage 1 is the EAGLE-3 rehearsal's (same verifier and
+    data settings), copied in, so the wrapper finds it complete and skips it."""
+    env, _ = hub
+    work = tmp_path_factory.mktemp("kimi-dflash") / "w"
+    shutil.copytree(hub_run / "prepared", work / "rehearsal" / "prepared")
+    proc = wrapper(env, "--work-dir", work, *DFLASH_SIZES, config=DFLASH)
+    proc.work = work / "rehearsal"
+    return proc
+
+
+def test_the_shipped_kimi_dflash_config_trains_and_serves_a_block_draft(dflash_run):
+    out, work = dflash_run.output, dflash_run.work
+    assert dflash_run.returncode == 0, out[-4000:]
+    assert "stage 01_prepare_dataset: complete and up to date, skipped" in out
+    assert manifest(work, "hidden_states")["params"]["layer_ids"] == [2, 3, 4, 5, 6, 7, 8]
+    draft = json.loads((work / "final_draft" / "config.json").read_text())
+    assert draft["speculators_model_type"] == "dflash" and draft["block_size"] == 8
+    assert draft["eagle_aux_hidden_state_layer_ids"] == [2, 3, 4, 5, 6, 7]
+    layer = draft["transformer_layer_config"]
+    assert (layer["num_hidden_layers"], layer["num_attention_heads"], layer["num_key_value_heads"]) == (6, 4, 2)
+    log4 = (work / "logs" / "04_train.log").read_text()
+    assert "DFlash: 6 layers, block 8, heads 4/2 x 64" in log4
+    row = manifest(work, "eval")["results"][0]
+    assert row["num_speculative_tokens"] == 7 and row["prompts"] == 2 and row["drafts"] > 0
+    assert row["acceptance_length"] == round(1 + row["accepted_tokens"] / row["drafts"], 4)
+    assert len(row["per_position_acceptance"]) == 7
