@@ -19,6 +19,7 @@ Variants of ours (--variants): "sdpa" = eager, per-document SDPA; "flex" = flex 
 MFU counts the standard algorithm's FLOPs (every position, every TTT step; flops_per_token below) for
 every implementation, so it compares wall time on equal work; ours skips part of that work.
 """
+import gc
 import os
 import argparse
 import json
@@ -40,6 +41,9 @@ GEOMETRIES = {
                     rms_norm_eps=1e-5, rope_theta=1e5, max_position_embeddings=8192, verifier_vocab_size=49152),
     "kimi": dict(hidden_size=7168, num_heads=64, num_kv_heads=64, head_dim=128, intermediate_size=18432,
                  rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=262144, verifier_vocab_size=163840),
+    # z-lab/Kimi-K2.5-DFlash's layers (configs/kimi-k2.5-dflash.yaml): 64 query heads over 8 KV heads
+    "kimi-dflash": dict(hidden_size=7168, num_heads=64, num_kv_heads=8, head_dim=128, intermediate_size=18432,
+                        rms_norm_eps=1e-6, rope_theta=5e4, max_position_embeddings=262144, verifier_vocab_size=163840),
 }
 
 
@@ -231,6 +235,21 @@ def eagle_speculators(g, batch, device, args, bf16):
     return model, loss
 
 
+def eagle_ours(g, batch, device, args, bf16):
+    """Our Eagle3Draft (eager: per-document attention on CPUs, flex on CUDA) -> (model, loss function)."""
+    os.environ["EAGLE3_ATTN"] = "auto"
+    model = new_draft(g).to(device)
+    if bf16:
+        optimize_bf16(model, compile_layers=False)
+    b = batch if bf16 else fp32_batch(batch)
+    ctx = torch.autocast(device.type, torch.bfloat16, enabled=bf16)
+
+    def loss():
+        with ctx:
+            return model(b, args.ttt, 0.8)[0]
+    return model, loss
+
+
 def speculators_step(g, batch, device, args):
     model, loss = eagle_speculators(g, batch, device, args, args.speculators_bf16)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -257,10 +276,10 @@ def dflash_geometry(g, args):
 def dflash_ours(dg, batch, device, args, bf16):
     """-> (model, loss function) as 04_train.py runs it: bf16 frozen pieces under autocast, fp32 master weights."""
     from common.drafts.dflash import DFlashDraft
-    model = DFlashDraft(dg)
+    with torch.device(device):  # built where it trains: a Kimi-size init on the host takes minutes
+        model = DFlashDraft(dg)
     with torch.no_grad():
         model.verifier_lm_head.weight.copy_(model.lm_head.weight)
-    model = model.to(device)
     if bf16:
         model.prepare_bf16()
     b = batch if bf16 else fp32_batch(batch)
@@ -291,7 +310,8 @@ def dflash_speculators(dg, batch, device, args, bf16):
         speculators_config=SpeculatorsConfig(
             algorithm="dflash", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=dg.block_size - 1)],
             default_proposal_method="greedy", verifier=VerifierConfig(name_or_path=None, architectures=[])))
-    model = DFlashDraftModel(conf).to(device)
+    with torch.device(device):
+        model = DFlashDraftModel(conf)
     with torch.no_grad():
         for p in model.parameters():
             if p.isnan().any():  # its frozen pieces start empty
@@ -379,6 +399,7 @@ def dflash_main(g, args, device, result):
                          "peak_gib": round(mem, 2)})
             print(f"{name:24s} T={T:6d}  {sec:8.3f} s/step  {T / sec:10.1f} tokens/s  peak {mem:6.2f} GiB", flush=True)
             del step
+            gc.collect()  # the next implementation's weights and optimizer state need the room
     ref = {r["tokens"]: r for r in rows if r["impl"].startswith("speculators") and not r.get("oom")}
     for r in rows:
         if r["impl"].startswith("ours") and r["tokens"] in ref and not r.get("oom"):
@@ -428,15 +449,16 @@ def main():
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=1))
         return
-    if args.check and device.type == "cuda":
+    if args.check:
         batch = make_batch(min(args.tokens), g, device, seed=1, max_doc=args.max_doc)
-        result["check"] = numerical_check(g, batch, device, args)
-        if not args.skip_speculators:  # speculators' own bf16 gap on the same batch
-            loss_err, errs = bf16_gradient_gap(eagle_speculators, g, batch, device, args)
-            print(f"check speculators bf16 vs its fp32: loss rel err {loss_err:.1e}; grads (per tensor, L2) max "
+        result["check"] = numerical_check(g, batch, device, args) if device.type == "cuda" else {}
+        # each implementation's own bf16 gap on the same batch (on a CPU: ours on its per-document path)
+        for name, make in [("ours", eagle_ours)] + ([] if args.skip_speculators else [("speculators", eagle_speculators)]):
+            loss_err, errs = bf16_gradient_gap(make, g, batch, device, args)
+            print(f"check {name} bf16 vs its fp32: loss rel err {loss_err:.1e}; grads (per tensor, L2) max "
                   f"{max(errs.values()):.1e}, median {statistics.median(errs.values()):.1e}", flush=True)
             print("   ", "  ".join(f"{n.replace('layers.0.', '')} {e:.1e}" for n, e in errs.items()))
-            result["check"]["speculators bf16 vs its fp32"] = {"loss_rel_err": loss_err, "grad_rel_err": errs}
+            result["check"][f"{name} bf16 vs its fp32"] = {"loss_rel_err": loss_err, "grad_rel_err": errs}
     rows = result["rows"]
     for T in args.tokens:
         batch = make_batch(T, g, device, seed=T, max_doc=args.max_doc, bf16=args.bf16)
