@@ -114,6 +114,10 @@ def make_llm(model, cfg, max_model_len=None, dtype=None, **extra):
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         extra.setdefault("enforce_eager", True)
         workers = cfg.tensor_parallel_size * cfg.pipeline_parallel_size
+        if workers == 1:
+            # engine core and worker in this process: ready in ~5 s, where two more processes that each import
+            # torch and vLLM took ~35 s on 2 cores (same outputs; VLLM_ENABLE_V1_MULTIPROCESSING=1 restores them)
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if workers > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind_groups(workers)
     else:
