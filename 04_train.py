@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
-"""Stage 4: train the EAGLE-3 draft on the extracted hidden states and export it for vLLM.
+"""Stage 4: train the draft (EAGLE-3, or DFlash with --draft-method dflash) on the extracted hidden states and
+export it for vLLM.
 
 Reads <work-dir>/hidden_states/, vocab/ and prepared/; writes <work-dir>/train/ (checkpoints,
 metrics.jsonl, curves.png, manifest.json) and the servable draft in <work-dir>/final_draft/.
 Re-running the same command resumes from the latest checkpoint. Several GPUs:
   torchrun --nproc_per_node 8 04_train.py --config C   (DDP; gloo on CPU)
 """
-import importlib.util
 import json
 import logging
 import os
@@ -19,73 +19,19 @@ from safetensors.torch import load_file
 
 from common.errors import UsageError, run_main
 from common.export import compare_with_reference, export_draft, serve_command
-from common.prepare import conversation_id, load_prepared, validation_groups
+from common.prepare import conversation_id, validation_groups
 from common.hidden_states import check_files
-from common.io import read_manifest, write_manifest
+from common.io import write_manifest
 from common.models import load_tokenizer, open_verifier
 from common.stage import ensure_writable, start
 from common.train_data import split_samples
 from common.build_draft import build_model, geometry, resolve_mask_token
-from common.drafts.dflash import geometry_note, trainable_count
+from common.drafts.dflash import geometry_note
+from common.train_preflight import micro_batch_memory, read_inputs, refuse_oversized, require_speculators
 from common.checkpoints import latest_checkpoint, load_weights
 from common.distributed import dist_setup
 from common.metrics import plot_curves
 from common.trainer import Trainer, method_shift, plan_epochs
-
-
-def read_inputs(cfg):
-    """Stage manifests of extraction and vocab, cross-checked: same prepared data, same tokenizer."""
-    work = Path(cfg.work_dir)
-    prep_man, records = load_prepared(work)
-    hs_man = read_manifest(work / "hidden_states", "extract", "02_extract_hidden_states.py")
-    voc_man = read_manifest(work / "vocab", "vocab", "03_build_vocab_mapping.py")
-    sha = prep_man["outputs"]["tokenized_data_sha256"]
-    if hs_man["params"]["prepared_sha256"] != sha:
-        raise UsageError(f"{work}/hidden_states was extracted from other prepared data; re-run 02_extract_hidden_states.py")
-    if voc_man["params"]["prepared_sha256"] != sha:
-        raise UsageError(f"{work}/vocab was built from other prepared data; re-run 03_build_vocab_mapping.py")
-    if voc_man["tokenizer"]["vocab_hash"] != prep_man["tokenizer"]["vocab_hash"]:
-        raise UsageError(f"{work}/vocab was built for another tokenizer; re-run 03_build_vocab_mapping.py")
-    want = voc_man["counts"]["draft_vocab_size"]
-    if not voc_man["counts"]["full_vocabulary"] and cfg.draft_vocab_size != want:
-        raise UsageError(f"--draft-vocab-size {cfg.draft_vocab_size} but {work}/vocab holds a {want}-token mapping; "
-                         f"re-run 03_build_vocab_mapping.py --draft-vocab-size {cfg.draft_vocab_size}")
-    layer_ids = hs_man["params"]["layer_ids"]
-    if cfg.layer_ids and list(cfg.layer_ids) != layer_ids:
-        raise UsageError(f"--layer-ids {cfg.layer_ids} but the hidden states hold layers {layer_ids}; re-extract")
-    return prep_man, records, hs_man, voc_man, layer_ids
-
-
-def memory_estimate(g, tokens, ttt_steps, longest_doc):
-    """Rough peak bytes of one micro-batch in fp32: logits and log-probs per TTT step dominate."""
-    per_token_step = 4 * (4 * g.draft_vocab_size + 14 * g.hidden_size + 3 * g.intermediate_size
-                          + 2 * (g.num_heads + 2 * g.num_kv_heads) * g.head_dim)
-    attn = 4 * g.num_heads * longest_doc * longest_doc * ttt_steps * 2
-    return tokens * ttt_steps * per_token_step + attn
-
-
-def dflash_memory(g, tokens, anchors, longest_doc):
-    """Rough peak bytes of DFlash training: its weights with their gradients and AdamW state (fp32, 16 bytes a
-    parameter: a stack of Kimi-size layers is most of it), the frozen embedding and heads, and one micro-batch in
-    fp32: the blocks' logits and softmax, every layer's activations, the per-document attention scores. Measured on
-    an H200 at Kimi geometry (2 layers, block 8, 8192 tokens): peak 33.8 GB, this says ~48."""
-    q = min(anchors, tokens) * g.block_size
-    per_query = 4 * (4 * g.draft_vocab_size + g.num_layers * (14 * g.hidden_size + 3 * g.intermediate_size
-                                                             + 2 * (g.num_heads + 2 * g.num_kv_heads) * g.head_dim))
-    attn = 4 * g.num_heads * q * (longest_doc + g.block_size) * g.num_layers * 3
-    context = 4 * tokens * (g.num_aux * g.hidden_size + g.num_layers * 4 * g.num_kv_heads * g.head_dim)
-    weights = 16 * trainable_count(g) + 2 * g.hidden_size * (g.verifier_vocab_size + 2 * g.draft_vocab_size)
-    return weights + q * per_query + attn + context
-
-
-def available_memory(device):
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return None
 
 
 def set_threads(cfg, device, log):
@@ -109,12 +55,7 @@ def main():
     model_dir, text_cfg = open_verifier(cfg, log)
     full = voc_man["counts"]["full_vocabulary"]
     draft_vocab = text_cfg.vocab_size if full else voc_man["counts"]["draft_vocab_size"]
-    if (cfg.draft_method == "dflash" or cfg.export_format == "speculators") and not importlib.util.find_spec("speculators"):
-        # the export builds its config with speculators' own classes: without it training would end in a crash
-        raise UsageError(f"{'--draft-method dflash' if cfg.draft_method == 'dflash' else '--export-format speculators'} "
-                         f"exports with the speculators package, which this environment lacks; run scripts/setup_env.sh "
-                         f"(or pip install speculators==0.9.0 --no-deps)" + ("" if cfg.draft_method == "dflash" else
-                                                                             ", or use --export-format eagle"))
+    require_speculators(cfg)
     mask_id = None
     if cfg.draft_method == "dflash":  # the token fed for the drafted positions, as speculators resolves it
         mask_id, why = resolve_mask_token(load_tokenizer(model_dir, trust_remote_code=cfg.trust_remote_code),
@@ -139,10 +80,7 @@ def main():
     train_idx, val_idx = split_samples(present, cfg.val_fraction, cfg.seed,
                                        lambda i: conversation_id(records[i]["id"]))
     plan_epochs(train_idx, lengths, cfg, world)  # enough packed sequences for ranks x accumulation?
-    longest_doc = min(longest, cfg.max_tokens_per_step)
-    need = dflash_memory(g, cfg.max_tokens_per_step, cfg.max_anchors, longest_doc) if mask_id is not None else \
-        memory_estimate(g, cfg.max_tokens_per_step, cfg.ttt_steps, longest_doc)
-    have = available_memory(device)
+    need, have = micro_batch_memory(cfg, g, min(longest, cfg.max_tokens_per_step), device)
     method = geometry_note(g) if mask_id is not None else f"EAGLE-3, TTT {cfg.ttt_steps}"
     log.info("plan: %d train / %d validation samples (%d tokens), draft hidden %d, heads %d/%d x %d, MLP %d, "
              "draft vocab %d of %d, aux layers %s, %s, %d tokens per micro-batch x %d accumulation x %d ranks on "
@@ -150,9 +88,7 @@ def main():
              g.hidden_size, g.num_heads, g.num_kv_heads, g.head_dim, g.intermediate_size, g.draft_vocab_size,
              g.verifier_vocab_size, layer_ids[:-1], method, cfg.max_tokens_per_step, cfg.grad_accum, world,
              device, need / 1e9, (have or 0) / 1e9)
-    if have is not None and need > 0.9 * have:
-        raise UsageError(f"one micro-batch of {cfg.max_tokens_per_step} tokens needs ~{need / 1e9:.1f} GB but "
-                         f"{device} has {have / 1e9:.1f} GB free; lower --max-tokens-per-step (and raise --grad-accum)")
+    refuse_oversized(cfg, need, have, device)
     out = Path(cfg.work_dir) / "train"
     if cfg.dry_run:
         log.info("dry run: preflight passed; nothing written")

@@ -1,0 +1,91 @@
+"""Stage 4's checks before the verifier's pieces load and training starts: its input manifests agree with each other,
+the export's package is installed, one micro-batch fits in memory."""
+import importlib.util
+import os
+from pathlib import Path
+
+import torch
+
+from common.drafts.dflash import trainable_count
+from common.errors import UsageError
+from common.io import read_manifest
+from common.prepare import load_prepared
+
+
+def read_inputs(cfg):
+    """Stage manifests of extraction and vocab, cross-checked: same prepared data, same tokenizer."""
+    work = Path(cfg.work_dir)
+    prep_man, records = load_prepared(work)
+    hs_man = read_manifest(work / "hidden_states", "extract", "02_extract_hidden_states.py")
+    voc_man = read_manifest(work / "vocab", "vocab", "03_build_vocab_mapping.py")
+    sha = prep_man["outputs"]["tokenized_data_sha256"]
+    if hs_man["params"]["prepared_sha256"] != sha:
+        raise UsageError(f"{work}/hidden_states was extracted from other prepared data; re-run 02_extract_hidden_states.py")
+    if voc_man["params"]["prepared_sha256"] != sha:
+        raise UsageError(f"{work}/vocab was built from other prepared data; re-run 03_build_vocab_mapping.py")
+    if voc_man["tokenizer"]["vocab_hash"] != prep_man["tokenizer"]["vocab_hash"]:
+        raise UsageError(f"{work}/vocab was built for another tokenizer; re-run 03_build_vocab_mapping.py")
+    want = voc_man["counts"]["draft_vocab_size"]
+    if not voc_man["counts"]["full_vocabulary"] and cfg.draft_vocab_size != want:
+        raise UsageError(f"--draft-vocab-size {cfg.draft_vocab_size} but {work}/vocab holds a {want}-token mapping; "
+                         f"re-run 03_build_vocab_mapping.py --draft-vocab-size {cfg.draft_vocab_size}")
+    layer_ids = hs_man["params"]["layer_ids"]
+    if cfg.layer_ids and list(cfg.layer_ids) != layer_ids:
+        raise UsageError(f"--layer-ids {cfg.layer_ids} but the hidden states hold layers {layer_ids}; re-extract")
+    return prep_man, records, hs_man, voc_man, layer_ids
+
+
+def memory_estimate(g, tokens, ttt_steps, longest_doc):
+    """Rough peak bytes of one micro-batch in fp32: logits and log-probs per TTT step dominate."""
+    per_token_step = 4 * (4 * g.draft_vocab_size + 14 * g.hidden_size + 3 * g.intermediate_size
+                          + 2 * (g.num_heads + 2 * g.num_kv_heads) * g.head_dim)
+    attn = 4 * g.num_heads * longest_doc * longest_doc * ttt_steps * 2
+    return tokens * ttt_steps * per_token_step + attn
+
+
+def dflash_memory(g, tokens, anchors, longest_doc):
+    """Rough peak bytes of DFlash training: its weights with their gradients and AdamW state (fp32, 16 bytes a
+    parameter: a stack of Kimi-size layers is most of it), the frozen embedding and heads, and one micro-batch in
+    fp32: the blocks' logits and softmax, every layer's activations, the per-document attention scores. Measured on
+    an H200 at Kimi geometry (2 layers, block 8, 8192 tokens): peak 33.8 GB, this says ~48."""
+    q = min(anchors, tokens) * g.block_size
+    per_query = 4 * (4 * g.draft_vocab_size + g.num_layers * (14 * g.hidden_size + 3 * g.intermediate_size
+                                                             + 2 * (g.num_heads + 2 * g.num_kv_heads) * g.head_dim))
+    attn = 4 * g.num_heads * q * (longest_doc + g.block_size) * g.num_layers * 3
+    context = 4 * tokens * (g.num_aux * g.hidden_size + g.num_layers * 4 * g.num_kv_heads * g.head_dim)
+    weights = 16 * trainable_count(g) + 2 * g.hidden_size * (g.verifier_vocab_size + 2 * g.draft_vocab_size)
+    return weights + q * per_query + attn + context
+
+
+def micro_batch_memory(cfg, g, longest_doc, device):
+    """-> (bytes one micro-batch needs, bytes free on the device or None)."""
+    if cfg.draft_method == "dflash":
+        need = dflash_memory(g, cfg.max_tokens_per_step, cfg.max_anchors, longest_doc)
+    else:
+        need = memory_estimate(g, cfg.max_tokens_per_step, cfg.ttt_steps, longest_doc)
+    return need, available_memory(device)
+
+
+def refuse_oversized(cfg, need, have, device):
+    if have is not None and need > 0.9 * have:
+        raise UsageError(f"one micro-batch of {cfg.max_tokens_per_step} tokens needs ~{need / 1e9:.1f} GB but "
+                         f"{device} has {have / 1e9:.1f} GB free; lower --max-tokens-per-step (and raise --grad-accum)")
+
+
+def require_speculators(cfg):
+    """The export builds its config with speculators' own classes: without the package, training would end in a crash."""
+    if (cfg.draft_method == "dflash" or cfg.export_format == "speculators") and not importlib.util.find_spec("speculators"):
+        raise UsageError(f"{'--draft-method dflash' if cfg.draft_method == 'dflash' else '--export-format speculators'} "
+                         f"exports with the speculators package, which this environment lacks; run scripts/setup_env.sh "
+                         f"(or pip install speculators==0.9.0 --no-deps)" + ("" if cfg.draft_method == "dflash" else
+                                                                             ", or use --export-format eagle"))
+
+
+def available_memory(device):
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return None
