@@ -19,10 +19,11 @@ Variants of ours (--variants): "sdpa" = eager, per-document SDPA; "flex" = flex 
 MFU counts the standard algorithm's FLOPs (every position, every TTT step; flops_per_token below) for
 every implementation, so it compares wall time on equal work; ours skips part of that work.
 """
-import gc
-import os
 import argparse
+import functools
+import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -273,19 +274,21 @@ def dflash_geometry(g, args):
                           mask_token_id=g.verifier_vocab_size - 1)
 
 
-def dflash_ours(dg, batch, device, args, bf16):
-    """-> (model, loss function) as 04_train.py runs it: bf16 frozen pieces under autocast, fp32 master weights."""
+def dflash_ours(dg, batch, device, args, bf16, variant="flex+compile"):
+    """-> (model, loss function) as 04_train.py runs it: bf16 frozen pieces under autocast, fp32 master weights;
+    variant: "flex+compile" (04_train.py on CUDA), "flex" (no compiled norms/MLP), "sdpa" (per-document products)."""
     from common.drafts.dflash import DFlashDraft
     with torch.device(device):  # built where it trains: a Kimi-size init on the host takes minutes
         model = DFlashDraft(dg)
     with torch.no_grad():
         model.verifier_lm_head.weight.copy_(model.lm_head.weight)
     if bf16:
-        model.prepare_bf16()
+        model.prepare_bf16(device.type == "cuda" and variant == "flex+compile")
     b = batch if bf16 else fp32_batch(batch)
     ctx = torch.autocast(device.type, torch.bfloat16, enabled=bf16)
 
     def loss():
+        os.environ["EAGLE3_ATTN"] = "sdpa" if variant == "sdpa" else "flex"  # read by each forward's block_plan
         with ctx:
             return model(b, args.max_anchors, anchors=batch["anchors"])[0]
     return model, loss
@@ -348,34 +351,44 @@ def train_step(model, loss):
 
 
 def bf16_gradient_gap(make, dg, batch, device, args):
-    """One implementation's bf16-autocast gradients against its own fp32 gradients, from the same weights:
+    """One implementation's bf16-autocast gradients against its own fp32 gradients, from the same weights."""
+    return gradient_gap((make, False), (make, True), dg, batch, device, args)
+
+
+def gradient_gap(ref, other, dg, batch, device, args):
+    """ref, other: (maker, bf16). The second's loss and gradients against the first's, from the same weights:
     -> (loss rel err, {tensor: per-tensor L2 rel err})."""
     torch.manual_seed(0)
-    runs, state = {}, None
-    for bf16 in (False, True):
+    runs, state = [], None
+    for make, bf16 in (ref, other):
         model, loss = make(dg, batch, device, args, bf16)
-        if bf16:
-            model.load_state_dict(state, strict=False)
-        else:
+        if state is None:
             state = {k: v.clone() for k, v in model.state_dict().items()}
+        else:
+            model.load_state_dict(state, strict=False)
         value = loss()
         value.backward()
-        runs[bf16] = (value.item(), {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None})
+        runs.append((value.item(), {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}))
         del model
-    (l32, g32), (l16, g16) = runs[False], runs[True]
-    return abs(l16 - l32) / abs(l32), {n: ((g16[n] - g32[n]).norm() / g32[n].norm()).item() for n in g32}
+    (l0, g0), (l1, g1) = runs
+    return abs(l1 - l0) / abs(l0), {n: ((g1[n] - g0[n]).norm() / g0[n].norm()).item() for n in g0}
 
 
 def dflash_main(g, args, device, result):
     from common.drafts.dflash import select_anchors
     dg = dflash_geometry(g, args)
-    impls = [("ours (DFlashDraft)", dflash_ours)] + ([] if args.skip_speculators else
+    impls = [(f"ours {v}", functools.partial(dflash_ours, variant=v)) for v in args.variants] + ([] if args.skip_speculators else
                                                      [("speculators 0.9.0", dflash_speculators)])
     rows = result["rows"]
     for T in args.tokens:
         batch = make_batch(T, g, device, seed=T, max_doc=args.max_doc, bf16=args.bf16)
         batch["loss_mask"] = batch["loss_mask"].bool()
         batch["anchors"] = select_anchors(batch["loss_mask"], args.max_anchors, dg.block_size).to(device)
+        if args.check and len(args.variants) > 1:  # ours: each variant against the first, both fp32
+            for name, make in impls[1:len(args.variants)]:
+                loss_err, errs = gradient_gap((impls[0][1], False), (make, False), dg, batch, device, args)
+                print(f"check {name} vs {impls[0][0]}, fp32: loss rel err {loss_err:.1e}; grads (per tensor, L2) "
+                      f"max {max(errs.values()):.1e}, median {statistics.median(errs.values()):.1e}", flush=True)
         if args.check:
             for name, make in impls:
                 loss_err, errs = bf16_gradient_gap(make, dg, batch, device, args)
@@ -390,6 +403,8 @@ def dflash_main(g, args, device, result):
             try:
                 step = train_step(*make(dg, batch, device, args, args.bf16))
                 sec = timed(step, args.warmup, args.steps, device)
+                if args.profile and device.type == "cuda":
+                    profile(step, name)
             except torch.OutOfMemoryError:
                 print(f"{name:24s} T={T:6d}  out of memory", flush=True)
                 rows.append({"impl": name, "tokens": T, "oom": True})

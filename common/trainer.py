@@ -82,7 +82,7 @@ class Trainer:
         self.host_embed = take_embedding(model, self.dtype) if device.type == "cuda" and not self.dflash else None
         self.model = model.to(device)
         if self.bf16 and self.dflash:
-            model.prepare_bf16()
+            model.prepare_bf16(cfg.compile and device.type == "cuda")
         elif self.bf16:
             optimize_bf16(model, cfg.compile and device.type == "cuda")
         log.info("precision: %s (--amp %s)", "bf16 autocast, fp32 master weights" if self.bf16 else "fp32", cfg.amp)

@@ -117,6 +117,26 @@ def test_slots_past_the_anchors_document_carry_no_loss():
     assert mask.view(-1, BS).tolist() == [[False, True, False, False], [False, True, True, True]]
 
 
+def test_flex_attention_equals_the_per_document_products(monkeypatch):
+    """CUDA's block-sparse flex attention (one call, a mask made per forward) and the CPU's per-document products: the
+    same logits and loss on packed documents, GQA, a block at a document's first token. Forward only: flex attention
+    has no CPU backward (the gradients are compared on a GPU: bench/train_throughput.py --variants flex+compile sdpa
+    --check)."""
+    g = geometry()
+    b = batch((23, 17, 9))
+    anchors = torch.tensor([3, 7, 12, 18, 26, 30, 34, 40, 45])
+    torch.manual_seed(2)
+    ours = DFlashDraft(g).float().eval()
+    runs = {}
+    for backend in ("sdpa", "flex"):
+        monkeypatch.setenv("EAGLE3_ATTN", backend)
+        with torch.no_grad():
+            runs[backend] = (ours.block_logits(b["aux"], b["ids"], b["pos"], b["doc"], anchors),
+                             ours(b, anchors=anchors)[0])
+    torch.testing.assert_close(runs["flex"][0], runs["sdpa"][0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(runs["flex"][1], runs["sdpa"][1], rtol=1e-5, atol=1e-6)
+
+
 # ---- stage 4 and 5 with --draft-method dflash on real SmolLM2 states (slow: the shared `extracted` run) ----
 
 DFLASH = ["--draft-method", "dflash", "--block-size", 4, "--draft-layers", 2, "--max-anchors", 64,

@@ -16,36 +16,23 @@ chance that the block gets that far), divided by the masked slot count.
 Slots whose token lies past the anchor's document are masked (speculators lets a block run into the next
 packed document; blocks that stay inside one document compute exactly what speculators computes).
 """
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from common.drafts import layers
 from common.drafts.acceptance import block_metrics
-from common.drafts.layers import MLP, RMSNorm, _apply_rope, rope_cos_sin
+from common.drafts.layers import MLP, Geometry, RMSNorm, attention_backend, compiled_flex, rope_cos_sin
 from common.drafts.losses import LOSS_EPS, slot_loss, slot_weights
 
 
-@dataclass
-class DFlashGeometry:
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
+@dataclass(kw_only=True)
+class DFlashGeometry(Geometry):
     num_layers: int
     block_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    verifier_vocab_size: int
-    draft_vocab_size: int
     num_aux: int
     mask_token_id: int
-    hidden_act: str = "silu"
-
-    def to_dict(self):
-        return asdict(self)
 
 
 class BlockAttention(nn.Module):
@@ -64,39 +51,81 @@ class BlockAttention(nn.Module):
     def forward(self, x, ctx, rope_ctx, rope_block, plan):
         """x [Q, H] the blocks' stream, ctx [T, H] the context, rope_*: (cos, sin) tables, plan: block_plan()."""
         g = self.g
+        kv_in = torch.cat([ctx, x])
         q = self.q_norm(self.q_proj(x).view(-1, g.num_heads, g.head_dim))
-        k = self.k_norm(self.k_proj(torch.cat([ctx, x])).view(-1, g.num_kv_heads, g.head_dim))
-        v = self.v_proj(torch.cat([ctx, x])).view(-1, g.num_kv_heads, g.head_dim)
-        q = _apply_rope(q, rope_block[0][:, None], rope_block[1][:, None])
-        k = _apply_rope(k, torch.cat([rope_ctx[0], rope_block[0]])[:, None], torch.cat([rope_ctx[1], rope_block[1]])[:, None])
-        rep = g.num_heads // g.num_kv_heads
-        k, v = k.repeat_interleave(rep, dim=1).transpose(0, 1), v.repeat_interleave(rep, dim=1).transpose(0, 1)
-        out = block_attention(q.transpose(0, 1), k, v, ctx.shape[0], plan, g.block_size, g.head_dim ** -0.5)
+        k = self.k_norm(self.k_proj(kv_in).view(-1, g.num_kv_heads, g.head_dim))
+        v = self.v_proj(kv_in).view(-1, g.num_kv_heads, g.head_dim)
+        q = layers.apply_rope(q, rope_block[0][:, None], rope_block[1][:, None])
+        k = layers.apply_rope(k, torch.cat([rope_ctx[0], rope_block[0]])[:, None],
+                              torch.cat([rope_ctx[1], rope_block[1]])[:, None])
+        out = plan.attend(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), g.head_dim ** -0.5)
         return self.o_proj(out.transpose(0, 1).reshape(x.shape[0], -1))
 
 
 def block_plan(doc, anchors, block_size):
-    """Per document holding anchors (they are sorted): (first and last block, its context [start, end), the
-    anchors relative to start). Bookkeeping on the host; the attention then costs each document's blocks x its
-    context, not every block x the packed length (speculators' dense mask)."""
-    doc, anchors = doc.cpu(), anchors.cpu()
-    starts = torch.cat([torch.tensor([0]), (doc[1:] != doc[:-1]).nonzero().squeeze(-1) + 1])
-    of = torch.searchsorted(starts, anchors, right=True) - 1  # each anchor's document
-    plan, j = [], 0
-    while j < len(anchors):
-        d = of[j]
-        n = int((of[j:] == d).sum())
-        s = int(starts[d])
-        plan.append((j, j + n, s, int(anchors[j + n - 1]), anchors[j:j + n] - s))
-        j += n
-    return plan
+    """The attention of the blocks anchored at `anchors` (sorted positions in the packed sequence of documents
+    `doc`): one block-sparse flex-attention call on CUDA, per document elsewhere."""
+    if attention_backend(doc.device) == "flex":
+        return FlexBlocks(doc, anchors, block_size)
+    return PerDocumentBlocks(doc, anchors, block_size)
 
 
-def block_attention(q, k, v, T, plan, bs, scale):
-    """q [h, Q, D] the blocks' queries; k/v [h, T + Q, D] (context, then the blocks). A block's queries see the context
-    of its document before its anchor and every query of their own block, in one softmax."""
+class FlexBlocks:
+    """GPU: one flex-attention call; the block mask (made once per forward, shared by the layers) skips the tiles
+    no query of a tile can see, so the cost follows each block's visible context, as per document."""
+
+    def __init__(self, doc, anchors, bs):
+        flex, block_mask = compiled_flex()
+        self.flex, dev, T, Q, pad = flex, doc.device, doc.numel(), anchors.numel() * bs, 256
+        # the kernel may read a tile past the end: padded entries are valid indices whose values match nothing
+        blk = torch.arange(Q, device=dev) // bs
+        kv_doc = torch.cat([doc, torch.full((Q + pad,), -2, device=dev, dtype=doc.dtype)])
+        kv_blk = torch.cat([torch.full((T,), -1, device=dev), blk, torch.full((pad,), -3, device=dev)])
+        q_blk = torch.cat([blk, torch.full((pad,), -4, device=dev)])
+        q_anchor = torch.cat([anchors.repeat_interleave(bs), torch.full((pad,), -1, device=dev)])
+        q_doc = torch.cat([doc[anchors].repeat_interleave(bs), torch.full((pad,), -5, device=dev, dtype=doc.dtype)])
+
+        def mask_mod(b, h, qi, ki):  # its document's context before its anchor, and its own block
+            context = (kv_blk[ki] == -1) & (kv_doc[ki] == q_doc[qi]) & (ki < q_anchor[qi])
+            return context | (kv_blk[ki] == q_blk[qi])
+        self.mask = block_mask(mask_mod, None, None, Q, T + Q, device=dev)
+
+    def attend(self, q, k, v, scale):
+        """q [h, Q, D]; k/v [kv heads, T + Q, D] (context, then the blocks)."""
+        return self.flex(q[None], k[None], v[None], block_mask=self.mask, scale=scale,
+                         enable_gqa=q.shape[0] != k.shape[0])[0]
+
+
+class PerDocumentBlocks:
+    """CPU: per document holding anchors, its blocks against its context only (speculators' dense mask would cost
+    every block x the packed length). The bookkeeping runs on the host."""
+
+    def __init__(self, doc, anchors, bs):
+        self.T, self.bs = doc.numel(), bs
+        doc, anchors = doc.cpu(), anchors.cpu()
+        starts = torch.cat([torch.tensor([0]), (doc[1:] != doc[:-1]).nonzero().squeeze(-1) + 1])
+        of = torch.searchsorted(starts, anchors, right=True) - 1  # each anchor's document
+        # per document: (first and last block, its context [start, end), the anchors relative to start)
+        self.docs, j = [], 0
+        while j < len(anchors):
+            d = of[j]
+            n = int((of[j:] == d).sum())
+            s = int(starts[d])
+            self.docs.append((j, j + n, s, int(anchors[j + n - 1]), anchors[j:j + n] - s))
+            j += n
+
+    def attend(self, q, k, v, scale):
+        rep = q.shape[0] // k.shape[0]
+        k, v = k.repeat_interleave(rep, dim=0), v.repeat_interleave(rep, dim=0)
+        return block_attention(q, k, v, self.T, self.docs, self.bs, scale)
+
+
+def block_attention(q, k, v, T, docs, bs, scale):
+    """q [h, Q, D] the blocks' queries; k/v [h, T + Q, D] (context, then the blocks); docs: PerDocumentBlocks.docs.
+    A block's queries see the context of its document before its anchor and every query of their own block, in one
+    softmax."""
     out = torch.empty_like(q)
-    for b0, b1, s, last, rel in plan:
+    for b0, b1, s, last, rel in docs:
         n, h, D = b1 - b0, q.shape[0], q.shape[-1]
         qd = q[:, b0 * bs:b1 * bs].view(h, n, bs, D)
         kc, vc = k[:, s:last], v[:, s:last]  # the context any of these blocks can see
@@ -163,15 +192,23 @@ class DFlashDraft(nn.Module):
         """Drafted tokens per block: the per-position metrics' length."""
         return self.g.block_size - 1
 
-    def prepare_bf16(self):
-        """bf16 autocast: the frozen pieces in bf16 (the head's rows stored once when the draft head is frozen)."""
+    def prepare_bf16(self, compile_layers=False):
+        """bf16 autocast: the frozen pieces in bf16 (the head's rows stored once when the draft head is frozen); on
+        CUDA also the elementwise chains (RMSNorms, SwiGLU, RoPE) compiled into fused kernels, as EAGLE-3's."""
         self.embed_tokens.to(torch.bfloat16)
         if not self.lm_head.weight.requires_grad:
             self.lm_head.to(torch.bfloat16)
-            if torch.equal(self.verifier_lm_head.weight.to(torch.bfloat16), self.lm_head.weight):
-                self.verifier_lm_head.weight = self.lm_head.weight
-                return
-        self.verifier_lm_head.to(torch.bfloat16)
+        if not self.lm_head.weight.requires_grad and torch.equal(self.verifier_lm_head.weight.to(torch.bfloat16),
+                                                                 self.lm_head.weight):
+            self.verifier_lm_head.weight = self.lm_head.weight
+        else:
+            self.verifier_lm_head.to(torch.bfloat16)
+        if compile_layers:
+            for m in (self.hidden_norm, self.norm, self.verifier_norm, *(m for layer in self.layers for m in (
+                    layer.input_layernorm, layer.post_attention_layernorm, layer.mlp, layer.self_attn.q_norm,
+                    layer.self_attn.k_norm))):
+                m.compile(dynamic=True)
+        layers.use_compiled_rope(compile_layers)
 
     def trainable_parameters(self):
         return [p for p in self.parameters() if p.requires_grad]

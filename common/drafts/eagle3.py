@@ -13,29 +13,19 @@ flex-attention call on CUDA, so its cost grows with the document lengths, not wi
 (speculators materialises a T x (k+1)T mask). On the CPU, matmul row counts are rounded up (Linear)
 so oneDNN reuses its kernels across steps.
 """
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from common.drafts import layers
-from common.drafts.layers import MLP, Linear, RMSNorm, rope
+from common.drafts.layers import MLP, Geometry, Linear, RMSNorm, rope
 from common.drafts.losses import ttt_loss
 from common.drafts.ttt_plan import index_plan, make_plan
 
 
-@dataclass
-class DraftGeometry:
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    verifier_vocab_size: int
-    draft_vocab_size: int
+@dataclass(kw_only=True)
+class DraftGeometry(Geometry):
     num_aux: int = 3
     norm_before_residual: bool = True
     # EAGLE-3.1 (speculators >= 0.7): one RMSNorm over the concatenated aux states before fc (norm_before_fc)
@@ -43,11 +33,7 @@ class DraftGeometry:
     norm_before_fc: bool = False
     fc_norm: bool = False
     norm_output: bool = False
-    hidden_act: str = "silu"
     rope_scaling: dict = None
-
-    def to_dict(self):
-        return asdict(self)
 
 
 class Attention(nn.Module):

@@ -1,8 +1,30 @@
-"""Layers both draft methods share: RMSNorm, rotate-half RoPE, the SwiGLU MLP, and a Linear whose CPU matmuls see
-rounded row counts."""
+"""Layers both draft methods share: RMSNorm, rotate-half RoPE, the SwiGLU MLP, a Linear whose CPU matmuls see
+rounded row counts, and the choice of attention backend (compiled flex attention on CUDA)."""
+import os
+from dataclasses import asdict, dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+@dataclass
+class Geometry:
+    """What both draft methods' layers need (each method adds its own fields, keyword-only)."""
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    verifier_vocab_size: int
+    draft_vocab_size: int
+    hidden_act: str = "silu"
+
+    def to_dict(self):
+        return asdict(self)
 
 
 class RMSNorm(nn.Module):
@@ -80,3 +102,22 @@ class MLP(nn.Module):
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def attention_backend(device):
+    """flex attention (compiled, block-sparse) on CUDA; per-document products elsewhere or when EAGLE3_ATTN=sdpa."""
+    want = os.environ.get("EAGLE3_ATTN", "auto")
+    return "flex" if want == "flex" or (want == "auto" and device.type == "cuda") else "sdpa"
+
+
+_FLEX = None
+
+
+def compiled_flex():
+    """-> (flex_attention, create_block_mask), both compiled once per process. Eager, the mask function would run
+    over the whole Q x KV grid; compiled, it is fused (3 graphs, then dynamic shapes)."""
+    global _FLEX
+    if _FLEX is None:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        _FLEX = torch.compile(flex_attention, dynamic=True), torch.compile(create_block_mask)
+    return _FLEX

@@ -1,12 +1,10 @@
 """EAGLE-3's training-time-test plan: which rows each TTT step computes and which keys each query sees, on the
 host (so the GPU never waits on a nonzero()), and the attention over it: per document on CPUs, one block-sparse
 flex-attention call on CUDA."""
-import os
-
 import torch
 import torch.nn.functional as F
 
-from common.drafts.layers import attn_bucket
+from common.drafts.layers import attention_backend, attn_bucket, compiled_flex
 
 
 class TTTPlan:
@@ -77,18 +75,9 @@ class TTTPlan:
         return out
 
 
-_FLEX = _BLOCK_MASK = None
-
-
 def flex_attend(plan, q, step):
     """GPU: one flex-attention call over [step-0 keys | diagonal keys of steps 1..step], block-sparse."""
-    global _FLEX, _BLOCK_MASK
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    if _FLEX is None:
-        _FLEX = torch.compile(flex_attention, dynamic=True)
-        # eager, the mask function runs over the whole Q x KV grid per TTT step; compiled, it is fused
-        # (3 graphs, then dynamic shapes; 5-6x faster on a CPU)
-        _BLOCK_MASK = torch.compile(create_block_mask)
+    flex, block_mask = compiled_flex()
     dev, T = q.device, plan.T
     ks = torch.cat([plan.cache[j][0] for j in range(step + 1)], 1)
     vs = torch.cat([plan.cache[j][1] for j in range(step + 1)], 1)
@@ -104,14 +93,8 @@ def flex_attend(plan, q, step):
         qo, ko, ks_ = q_orig[qi], kv_orig[ki], kv_step[ki]
         return ((ks_ == 0) & (doc[ko] == doc[qo]) & (ko <= qo)) | ((ks_ > 0) & (ko == qo))
 
-    bm = _BLOCK_MASK(mask_mod, None, None, q.shape[1], ks.shape[1], device=dev)
-    return _FLEX(q[None], ks[None], vs[None], block_mask=bm, enable_gqa=q.shape[0] != ks.shape[0])[0]
-
-
-def attention_backend(device):
-    """flex attention (compiled, block-sparse) on CUDA; per-document SDPA elsewhere or when EAGLE3_ATTN=sdpa."""
-    want = os.environ.get("EAGLE3_ATTN", "auto")
-    return "flex" if want == "flex" or (want == "auto" and device.type == "cuda") else "sdpa"
+    bm = block_mask(mask_mod, None, None, q.shape[1], ks.shape[1], device=dev)
+    return flex(q[None], ks[None], vs[None], block_mask=bm, enable_gqa=q.shape[0] != ks.shape[0])[0]
 
 
 def index_plan(mask0, doc, docs, ttt_steps, every_row=False):
