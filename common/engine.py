@@ -114,7 +114,11 @@ def make_llm(model, cfg, max_model_len=None, dtype=None, **extra):
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         extra.setdefault("enforce_eager", True)
         workers = cfg.tensor_parallel_size * cfg.pipeline_parallel_size
-        if workers == 1:
+        if "kv_transfer_config" in extra:
+            # extraction: the reader waits on the connector's file lock, which the worker releases when it has
+            # written the file; in one process (one thread) that wait never ends
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        elif workers == 1:
             # engine core and worker in this process: ready in ~5 s, where two more processes that each import
             # torch and vLLM took ~35 s on 2 cores (same outputs; VLLM_ENABLE_V1_MULTIPROCESSING=1 restores them)
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
