@@ -7,6 +7,8 @@ import logging
 import os
 import time
 
+from common.errors import first_line
+
 log = logging.getLogger(__name__)
 
 
@@ -118,10 +120,11 @@ def make_llm(model, cfg, max_model_len=None, dtype=None, **extra):
             # extraction: the reader waits on the connector's file lock, which the worker releases when it has
             # written the file; in one process (one thread) that wait never ends
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
-        elif workers == 1:
+        elif workers == 1 and "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ:
             # engine core and worker in this process: ready in ~5 s, where two more processes that each import
             # torch and vLLM took ~35 s on 2 cores (same outputs; VLLM_ENABLE_V1_MULTIPROCESSING=1 restores them)
-            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            extra["_fallback"] = True
         if workers > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind_groups(workers)
     else:
@@ -136,9 +139,21 @@ def make_llm(model, cfg, max_model_len=None, dtype=None, **extra):
 
     t0 = time.time()
     dtype = compute_dtype(dtype or cfg.dtype)
-    llm = LLM(model=model, tokenizer=model, dtype=dtype, seed=cfg.seed,
-              tensor_parallel_size=cfg.tensor_parallel_size, pipeline_parallel_size=cfg.pipeline_parallel_size,
-              max_model_len=max_model_len or cfg.max_seq_len, trust_remote_code=cfg.trust_remote_code, **extra)
+    fallback = extra.pop("_fallback", False)
+    args = dict(model=model, tokenizer=model, dtype=dtype, seed=cfg.seed, tensor_parallel_size=cfg.tensor_parallel_size,
+                pipeline_parallel_size=cfg.pipeline_parallel_size, max_model_len=max_model_len or cfg.max_seq_len,
+                trust_remote_code=cfg.trust_remote_code, **extra)
+    try:
+        llm = LLM(**args)
+    except Exception as e:
+        if not fallback:
+            raise
+        # in-process, vLLM's CPU worker scans every module this process has loaded (a numba/llvmlite object broke
+        # that scan once): start it as vLLM does by default, with its own processes
+        log.warning("vLLM's engine did not start inside this process (%s); starting it with its own processes",
+                    first_line(e))
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        llm = LLM(**args)
     log.info("vLLM engine ready in %.1fs (model %s, dtype %s, TP=%d, PP=%d)", time.time() - t0, model, dtype,
              cfg.tensor_parallel_size, cfg.pipeline_parallel_size)
     return llm
