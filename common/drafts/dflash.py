@@ -16,6 +16,7 @@ chance that the block gets that far), divided by the masked slot count.
 Slots whose token lies past the anchor's document are masked (speculators lets a block run into the next
 packed document; blocks that stay inside one document compute exactly what speculators computes).
 """
+import os
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +24,7 @@ from torch import nn
 
 from common.drafts import layers
 from common.drafts.acceptance import block_metrics
-from common.drafts.layers import MLP, Geometry, RMSNorm, attention_backend, compiled_flex, rope_cos_sin
+from common.drafts.layers import MLP, Geometry, RMSNorm, compiled_flex, rope_cos_sin
 from common.drafts.losses import LOSS_EPS, slot_loss, slot_weights
 
 
@@ -62,10 +63,16 @@ class BlockAttention(nn.Module):
         return self.o_proj(out.transpose(0, 1).reshape(x.shape[0], -1))
 
 
+def flex_enabled():
+    """Flex attention (and compiled norms/SwiGLU/RoPE) for DFlash: equal to the per-document path in a CPU forward,
+    not yet run on a GPU, so opt-in (EAGLE3_ATTN=flex) until an H200 run shows it right and faster there."""
+    return os.environ.get("EAGLE3_ATTN") == "flex"
+
+
 def block_plan(doc, anchors, block_size):
     """The attention of the blocks anchored at `anchors` (sorted positions in the packed sequence of documents
-    `doc`): one block-sparse flex-attention call on CUDA, per document elsewhere."""
-    if attention_backend(doc.device) == "flex":
+    `doc`): one block-sparse flex-attention call (flex_enabled), else per document."""
+    if flex_enabled():
         return FlexBlocks(doc, anchors, block_size)
     return PerDocumentBlocks(doc, anchors, block_size)
 
