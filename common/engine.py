@@ -10,6 +10,7 @@ import time
 from common.errors import first_line
 
 log = logging.getLogger(__name__)
+IN_PROCESS = ["0"]  # what this code sets VLLM_ENABLE_V1_MULTIPROCESSING to on CPUs: "1" once an in-process start failed
 
 
 def on_cpu():
@@ -116,15 +117,16 @@ def make_llm(model, cfg, max_model_len=None, dtype=None, **extra):
         os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         extra.setdefault("enforce_eager", True)
         workers = cfg.tensor_parallel_size * cfg.pipeline_parallel_size
+        fallback = False  # set when this code, not the user, chose an in-process engine
         if "kv_transfer_config" in extra:
             # extraction: the reader waits on the connector's file lock, which the worker releases when it has
             # written the file; in one process (one thread) that wait never ends
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
-        elif workers == 1 and "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ:
+        elif workers == 1 and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", IN_PROCESS[0]) == IN_PROCESS[0]:
             # engine core and worker in this process: ready in ~5 s, where two more processes that each import
             # torch and vLLM took ~35 s on 2 cores (same outputs; VLLM_ENABLE_V1_MULTIPROCESSING=1 restores them)
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-            extra["_fallback"] = True
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = IN_PROCESS[0]
+            fallback = IN_PROCESS[0] == "0"
         if workers > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind_groups(workers)
     else:
@@ -134,12 +136,12 @@ def make_llm(model, cfg, max_model_len=None, dtype=None, **extra):
             extra.setdefault("async_scheduling", False)
             log.warning("vLLM will run its V1 model runner here (%s): async scheduling off (vLLM #56417 duplicates "
                         "output tokens with it on GPUs)", why)
+        fallback = False
         GPU_BASELINE.update(gpu_memory_used())  # what the GPUs held before this engine: close_llm waits for it
     from vllm import LLM
 
     t0 = time.time()
     dtype = compute_dtype(dtype or cfg.dtype)
-    fallback = extra.pop("_fallback", False)
     args = dict(model=model, tokenizer=model, dtype=dtype, seed=cfg.seed, tensor_parallel_size=cfg.tensor_parallel_size,
                 pipeline_parallel_size=cfg.pipeline_parallel_size, max_model_len=max_model_len or cfg.max_seq_len,
                 trust_remote_code=cfg.trust_remote_code, **extra)
@@ -152,7 +154,7 @@ def make_llm(model, cfg, max_model_len=None, dtype=None, **extra):
         # that scan once): start it as vLLM does by default, with its own processes
         log.warning("vLLM's engine did not start inside this process (%s); starting it with its own processes",
                     first_line(e))
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = IN_PROCESS[0] = "1"
         llm = LLM(**args)
     log.info("vLLM engine ready in %.1fs (model %s, dtype %s, TP=%d, PP=%d)", time.time() - t0, model, dtype,
              cfg.tensor_parallel_size, cfg.pipeline_parallel_size)
