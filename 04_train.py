@@ -25,9 +25,10 @@ from common.io import write_manifest
 from common.models import load_tokenizer, open_verifier
 from common.stage import ensure_writable, start
 from common.train_data import split_samples
-from common.build_draft import build_model, geometry, resolve_mask_token
+from common.build_draft import build_model, geometry, resolve_mask_token, trainable_parameters
 from common.drafts.dflash import geometry_note
-from common.train_preflight import micro_batch_memory, read_inputs, refuse_oversized, require_speculators
+from common.train_preflight import checkpoint_disk, micro_batch_memory, read_inputs, refuse_oversized, \
+    require_speculators
 from common.checkpoints import latest_checkpoint, load_weights
 from common.distributed import dist_setup
 from common.metrics import plot_curves
@@ -79,7 +80,7 @@ def main():
     present = sorted(lengths)
     train_idx, val_idx = split_samples(present, cfg.val_fraction, cfg.seed,
                                        lambda i: conversation_id(records[i]["id"]))
-    plan_epochs(train_idx, lengths, cfg, world)  # enough packed sequences for ranks x accumulation?
+    bins = plan_epochs(train_idx, lengths, cfg, world)  # enough packed sequences for ranks x accumulation?
     need, have = micro_batch_memory(cfg, g, min(longest, cfg.max_tokens_per_step), device)
     method = geometry_note(g) if mask_id is not None else f"EAGLE-3, TTT {cfg.ttt_steps}"
     log.info("plan: %d train / %d validation samples (%d tokens), draft hidden %d, heads %d/%d x %d, MLP %d, "
@@ -90,6 +91,10 @@ def main():
              device, need / 1e9, (have or 0) / 1e9)
     refuse_oversized(cfg, need, have, device)
     out = Path(cfg.work_dir) / "train"
+    per_epoch = len(bins[0]) // (world * cfg.grad_accum)
+    steps = min(per_epoch * cfg.epochs, cfg.max_steps or per_epoch * cfg.epochs)
+    ckpt = checkpoint_disk(cfg, trainable_parameters(g, cfg.train_lm_head), steps, -(-steps // per_epoch), out)
+    log.info("disk: %d steps, checkpoints of ~%.2f GB (--keep-last %d)", steps, ckpt / 1e9, cfg.keep_last)
     if cfg.dry_run:
         log.info("dry run: preflight passed; nothing written")
         return 0

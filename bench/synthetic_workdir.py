@@ -28,6 +28,16 @@ KIMI = dict(hidden_size=7168, vocab_size=163840, num_hidden_layers=61, num_atten
             max_position_embeddings=262144)
 
 
+def write_tokenizer(folder):
+    """A two-token tokenizer with a chat template: stage 4 reads a DFlash draft's mask token from the verifier's tokenizer."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"<unk>": 0, "<|mask|>": 1}, "<unk>")),
+                                  unk_token="<unk>", mask_token="<|mask|>")
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # stage 4 asks for one
+    tok.save_pretrained(folder)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--work-dir", required=True)
@@ -52,6 +62,7 @@ def main():
     save_file({"model.embed_tokens.weight": (torch.randn(V, H, generator=gen) * 0.02).bfloat16(),
                "lm_head.weight": (torch.randn(V, H, generator=gen) * 0.02).bfloat16(),
                "model.norm.weight": torch.ones(H, dtype=torch.bfloat16)}, str(ver / "model.safetensors"))
+    write_tokenizer(ver)
     tok = {"vocab_hash": "synthetic", "name": "synthetic"}
     prep = work / "prepared"
     prep.mkdir(parents=True, exist_ok=True)

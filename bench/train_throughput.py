@@ -20,13 +20,10 @@ MFU counts the standard algorithm's FLOPs (every position, every TTT step; flops
 every implementation, so it compares wall time on equal work; ours skips part of that work.
 """
 import argparse
-import functools
-import gc
 import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -34,69 +31,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.drafts import layers  # noqa: E402
 from common.drafts.eagle3 import DraftGeometry, Eagle3Draft, optimize_bf16, take_embedding  # noqa: E402
-from common.drafts.ttt_plan import OnHost  # noqa: E402
 from common.precision import use_bf16  # noqa: E402
-
-GEOMETRIES = {
-    "smollm2": dict(hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64, intermediate_size=1536,
-                    rms_norm_eps=1e-5, rope_theta=1e5, max_position_embeddings=8192, verifier_vocab_size=49152),
-    "kimi": dict(hidden_size=7168, num_heads=64, num_kv_heads=64, head_dim=128, intermediate_size=18432,
-                 rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=262144, verifier_vocab_size=163840),
-    # z-lab/Kimi-K2.5-DFlash's layers (configs/kimi-k2.5-dflash.yaml): 64 query heads over 8 KV heads
-    "kimi-dflash": dict(hidden_size=7168, num_heads=64, num_kv_heads=8, head_dim=128, intermediate_size=18432,
-                        rms_norm_eps=1e-6, rope_theta=5e4, max_position_embeddings=262144, verifier_vocab_size=163840),
-}
-
-
-def make_batch(T, g, device, seed, max_doc=2048, bf16=None):
-    """Documents of 200..max_doc tokens; each a prompt (unmasked) then an answer (masked), ~60% of tokens."""
-    gen = torch.Generator().manual_seed(seed)
-    docs, a = [], 0
-    while a < T:
-        n = min(int(torch.randint(200, max_doc + 1, (1,), generator=gen)), T - a)
-        docs.append((a, a + n))
-        a += n
-    mask = torch.zeros(T, dtype=torch.long)
-    for a, b in docs:
-        mask[a + int((b - a) * float(torch.empty(1).uniform_(0.25, 0.55, generator=gen))):b] = 1
-    doc = torch.cat([torch.full((b - a,), j) for j, (a, b) in enumerate(docs)])
-    bf16 = device.type == "cuda" if bf16 is None else bf16
-    hs = torch.bfloat16 if bf16 else torch.float32  # as the trainer feeds it
-    return {"aux": torch.randn(T, 3 * g.hidden_size, generator=gen).to(device, hs),
-            "ids": torch.randint(0, g.verifier_vocab_size, (T,), generator=gen).to(device),
-            "target_hidden": torch.randn(T, g.hidden_size, generator=gen).to(device, hs),
-            "loss_mask": mask.to(device), "doc": doc.to(device),
-            "pos": torch.cat([torch.arange(1, b - a + 1) for a, b in docs]).to(device), "docs": docs,
-            "cpu": OnHost(loss_mask=mask, doc=doc)}
-
-
-def timed(step, n_warm, n, device):
-    """Median seconds per step, synchronised around each step (host work shows in full)."""
-    for _ in range(n_warm):
-        step()
-    times = []
-    for _ in range(n):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
-def timed_pipelined(step, n, device):
-    """Median seconds per step as a training loop runs it, with no sync between steps: GPU time from one
-    step's end to the next's (CUDA events), so host work that overlaps the previous step's kernels is hidden."""
-    torch.cuda.synchronize()
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(n + 1)]
-    events[0].record()
-    for e in events[1:]:
-        step()
-        e.record()
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) / 1000 for a, b in zip(events, events[1:]))
+from dflash_step import dflash_main  # noqa: E402
+from step_common import (GEOMETRIES, bf16_gradient_gap, fp32_batch, make_batch, matmul_ceiling, profile, timed,  # noqa: E402
+                         timed_pipelined)
 
 
 def flops_per_token(g, ttt, mask_frac=0.6):
@@ -112,13 +50,6 @@ def flops_per_token(g, ttt, mask_frac=0.6):
     attn = 2 * g.num_heads * hd * 500
     per_step = 3 * (layer + attn) + 2 * H * V
     return 2 * (ttt * per_step + 3 * 3 * H * H + mask_frac * H * V)
-
-
-def matmul_ceiling(device, n=8192):
-    """Measured bf16 matmul FLOP/s (median of 10 n x n x n products)."""
-    a, b = torch.randn(n, n, device=device, dtype=torch.bfloat16), torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    sec = timed(lambda: a @ b, 3, 10, device)
-    return 2 * n ** 3 / sec
 
 
 def new_draft(g):
@@ -149,16 +80,6 @@ def ours(g, batch, device, args, variant="flex+compile"):
         opt.step()
         opt.zero_grad(set_to_none=True)
     return step
-
-
-def profile(step, name):
-    from torch.profiler import ProfilerActivity
-    with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(2):
-            step()
-        torch.cuda.synchronize()
-    print(f"--- profile of 2 steps: {name}")
-    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=22, max_name_column_width=60))
 
 
 def numerical_check(g, batch, device, args):
@@ -263,164 +184,6 @@ def speculators_step(g, batch, device, args):
     return step
 
 
-# --- DFlash (--method dflash): our DFlashDraft against speculators' DFlashDraftModel -----------------------------
-
-def dflash_geometry(g, args):
-    from common.drafts.dflash import DFlashGeometry
-    keep = {k: getattr(g, k) for k in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
-                                        "rms_norm_eps", "rope_theta", "max_position_embeddings",
-                                        "verifier_vocab_size", "draft_vocab_size")}
-    return DFlashGeometry(**keep, num_layers=args.draft_layers, block_size=args.block_size, num_aux=3,
-                          mask_token_id=g.verifier_vocab_size - 1)
-
-
-def dflash_ours(dg, batch, device, args, bf16, variant="flex+compile"):
-    """-> (model, loss function) as 04_train.py runs it: bf16 frozen pieces under autocast, fp32 master weights;
-    variant: "flex+compile" (04_train.py on CUDA), "flex" (no compiled norms/MLP), "sdpa" (per-document products)."""
-    from common.drafts.dflash import DFlashDraft
-    with torch.device(device):  # built where it trains: a Kimi-size init on the host takes minutes
-        model = DFlashDraft(dg)
-    with torch.no_grad():
-        model.verifier_lm_head.weight.copy_(model.lm_head.weight)
-    if bf16:
-        model.prepare_bf16(device.type == "cuda" and variant == "flex+compile")
-    b = batch if bf16 else fp32_batch(batch)
-    ctx = torch.autocast(device.type, torch.bfloat16, enabled=bf16)
-
-    def loss():
-        os.environ["EAGLE3_ATTN"] = "sdpa" if variant == "sdpa" else "flex"  # read by each forward's block_plan
-        with ctx:
-            return model(b, args.max_anchors, anchors=batch["anchors"])[0]
-    return model, loss
-
-
-def dflash_speculators(dg, batch, device, args, bf16):
-    from speculators.config import SpeculatorsConfig, VerifierConfig
-    from speculators.losses import resolve_loss_config
-    from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
-    from speculators.proposals.greedy import GreedyTokenProposalConfig
-    from transformers import Qwen3Config
-    layer = Qwen3Config(vocab_size=dg.verifier_vocab_size, hidden_size=dg.hidden_size,
-                        intermediate_size=dg.intermediate_size, num_hidden_layers=dg.num_layers,
-                        num_attention_heads=dg.num_heads, num_key_value_heads=dg.num_kv_heads, head_dim=dg.head_dim,
-                        rms_norm_eps=dg.rms_norm_eps, max_position_embeddings=dg.max_position_embeddings,
-                        rope_parameters={"rope_type": "default", "rope_theta": dg.rope_theta})
-    if device.type != "cuda":
-        layer._attn_implementation = "sdpa"  # its flex-attention default has no CPU backward
-    conf = DFlashSpeculatorConfig(
-        transformer_layer_config=layer, draft_vocab_size=dg.draft_vocab_size, block_size=dg.block_size,
-        aux_hidden_state_layer_ids=[1, 2, 3], mask_token_id=dg.mask_token_id,
-        speculators_config=SpeculatorsConfig(
-            algorithm="dflash", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=dg.block_size - 1)],
-            default_proposal_method="greedy", verifier=VerifierConfig(name_or_path=None, architectures=[])))
-    with torch.device(device):
-        model = DFlashDraftModel(conf)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.isnan().any():  # its frozen pieces start empty
-                p.normal_(0, 0.02)
-    hs = torch.bfloat16 if bf16 else torch.float32
-    kw = dict(hidden_states=batch["aux"][None].to(hs), input_ids=batch["ids"][None],
-              loss_mask=batch["loss_mask"][None], verifier_last_hidden_states=batch["target_hidden"][None].to(hs),
-              document_ids=batch["doc"][None], position_ids=batch["pos"][None],
-              loss_config=resolve_loss_config("ce", "eager"), gamma=4.0, max_anchors=args.max_anchors,
-              per_position_loss_weight="dpace", dpace_alpha=0.5)
-    ctx = torch.autocast(device.type, torch.bfloat16, enabled=bf16)
-
-    def loss():
-        torch.manual_seed(0)  # its anchors are drawn inside the forward: the same ones in every run
-        with ctx:
-            return model(**kw)[1]
-    return model, loss
-
-
-def fp32_batch(batch):
-    return {k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in batch.items()}
-
-
-def train_step(model, loss):
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4, fused=next(model.parameters()).is_cuda)
-
-    def step():
-        loss().backward()
-        torch.nn.utils.clip_grad_norm_(params, 0.5)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return step
-
-
-def bf16_gradient_gap(make, dg, batch, device, args):
-    """One implementation's bf16-autocast gradients against its own fp32 gradients, from the same weights."""
-    return gradient_gap((make, False), (make, True), dg, batch, device, args)
-
-
-def gradient_gap(ref, other, dg, batch, device, args):
-    """ref, other: (maker, bf16). The second's loss and gradients against the first's, from the same weights:
-    -> (loss rel err, {tensor: per-tensor L2 rel err})."""
-    torch.manual_seed(0)
-    runs, state = [], None
-    for make, bf16 in (ref, other):
-        model, loss = make(dg, batch, device, args, bf16)
-        if state is None:
-            state = {k: v.clone() for k, v in model.state_dict().items()}
-        else:
-            model.load_state_dict(state, strict=False)
-        value = loss()
-        value.backward()
-        runs.append((value.item(), {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}))
-        del model
-    (l0, g0), (l1, g1) = runs
-    return abs(l1 - l0) / abs(l0), {n: ((g1[n] - g0[n]).norm() / g0[n].norm()).item() for n in g0}
-
-
-def dflash_main(g, args, device, result):
-    from common.drafts.dflash import select_anchors
-    dg = dflash_geometry(g, args)
-    impls = [(f"ours {v}", functools.partial(dflash_ours, variant=v)) for v in args.variants] + ([] if args.skip_speculators else
-                                                     [("speculators 0.9.0", dflash_speculators)])
-    rows = result["rows"]
-    for T in args.tokens:
-        batch = make_batch(T, g, device, seed=T, max_doc=args.max_doc, bf16=args.bf16)
-        batch["loss_mask"] = batch["loss_mask"].bool()
-        batch["anchors"] = select_anchors(batch["loss_mask"], args.max_anchors, dg.block_size).to(device)
-        if args.check and len(args.variants) > 1:  # ours: each variant against the first, both fp32
-            for name, make in impls[1:len(args.variants)]:
-                loss_err, errs = gradient_gap((impls[0][1], False), (make, False), dg, batch, device, args)
-                print(f"check {name} vs {impls[0][0]}, fp32: loss rel err {loss_err:.1e}; grads (per tensor, L2) "
-                      f"max {max(errs.values()):.1e}, median {statistics.median(errs.values()):.1e}", flush=True)
-        if args.check:
-            for name, make in impls:
-                loss_err, errs = bf16_gradient_gap(make, dg, batch, device, args)
-                print(f"check {name}: bf16 vs fp32 loss rel err {loss_err:.1e}; grads (per tensor, L2) max "
-                      f"{max(errs.values()):.1e}, median {statistics.median(errs.values()):.1e}", flush=True)
-                result.setdefault("check", {})[name] = {"loss_rel_err": loss_err, "grad_rel_err": errs}
-        for name, make in impls:
-            torch.manual_seed(0)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats()
-            try:
-                step = train_step(*make(dg, batch, device, args, args.bf16))
-                sec = timed(step, args.warmup, args.steps, device)
-                if args.profile and device.type == "cuda":
-                    profile(step, name)
-            except torch.OutOfMemoryError:
-                print(f"{name:24s} T={T:6d}  out of memory", flush=True)
-                rows.append({"impl": name, "tokens": T, "oom": True})
-                continue
-            mem = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
-            rows.append({"impl": name, "tokens": T, "step_s": round(sec, 4), "tokens_per_s": round(T / sec, 1),
-                         "peak_gib": round(mem, 2)})
-            print(f"{name:24s} T={T:6d}  {sec:8.3f} s/step  {T / sec:10.1f} tokens/s  peak {mem:6.2f} GiB", flush=True)
-            del step
-            gc.collect()  # the next implementation's weights and optimizer state need the room
-    ref = {r["tokens"]: r for r in rows if r["impl"].startswith("speculators") and not r.get("oom")}
-    for r in rows:
-        if r["impl"].startswith("ours") and r["tokens"] in ref and not r.get("oom"):
-            b = ref[r["tokens"]]
-            print(f"T={r['tokens']}: ours / speculators = {r['tokens_per_s'] / b['tokens_per_s']:.2f}x tokens/s, "
-                  f"{r['peak_gib'] / b['peak_gib']:.2f}x memory")
 
 
 def main():
@@ -453,8 +216,8 @@ def main():
     g = DraftGeometry(**GEOMETRIES[args.geometry], draft_vocab_size=args.draft_vocab)
     fpt = flops_per_token(g, args.ttt)
     ceiling = matmul_ceiling(device) if device.type == "cuda" else float("nan")
-    print(f"{args.geometry}: {fpt / 1e9:.2f} GFLOP per token (standard step, TTT {args.ttt}); "
-          f"bf16 matmul ceiling {ceiling / 1e12:.0f} TFLOP/s", flush=True)
+    print(f"{args.geometry}: " + ("" if args.method == "dflash" else f"{fpt / 1e9:.2f} GFLOP per token (standard "
+          f"step, TTT {args.ttt}); ") + f"bf16 matmul ceiling {ceiling / 1e12:.0f} TFLOP/s", flush=True)
     result = {"geometry": args.geometry, "device": str(device), "draft_vocab": args.draft_vocab,
               "gflop_per_token": fpt / 1e9, "ceiling_tflops": ceiling / 1e12, "rows": []}
     if device.type == "cuda":

@@ -60,6 +60,14 @@ def resolve_mask_token(tok, vocab_size):
                      f"--draft-method eagle3, or add a mask token to the verifier's tokenizer")
 
 
+def trainable_parameters(g, train_head=False):
+    """How many parameters the draft trains, counted on the meta device (no memory, no init)."""
+    with torch.device("meta"):
+        model = (DFlashDraft if isinstance(g, DFlashGeometry) else Eagle3Draft)(g)
+    model.lm_head.requires_grad_(train_head)
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
 def build_model(g, model_dir, target_ids, trained=None, train_head=False):
     """Draft with frozen pieces from the verifier: embeddings, draft lm_head = verifier rows of the draft vocab
     (trained further with train_head). trained: trainable weights from a checkpoint, loaded instead of a

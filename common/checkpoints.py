@@ -58,17 +58,25 @@ def gather_states(model, opt, fsdp):
 
 def save_checkpoint(ckpt_dir, weights, opt_state, sched, state):
     """Atomic: written to a temporary folder, renamed into place; a kill never leaves half a checkpoint."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
     tmp = ckpt_dir.with_name(ckpt_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "trainable.safetensors"))
-    torch.save({"optimizer": opt_state, "scheduler": sched.state_dict(), "rng": rng_state(), **state},
-               tmp / "state.pt")
-    write_json_atomic(tmp / "meta.json", {k: v for k, v in state.items() if k != "history"})
-    for f in tmp.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
+    try:
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "trainable.safetensors"))
+        torch.save({"optimizer": opt_state, "scheduler": sched.state_dict(), "rng": rng_state(), **state},
+                   tmp / "state.pt")
+        write_json_atomic(tmp / "meta.json", {k: v for k, v in state.items() if k != "history"})
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+    except (OSError, RuntimeError, SafetensorError) as exc:  # a full disk: torch.save says so in a RuntimeError
+        shutil.rmtree(tmp, ignore_errors=True)
+        free = shutil.disk_usage(ckpt_dir.parent).free / 1e9
+        raise UsageError(f"writing checkpoint {ckpt_dir} failed ({str(exc).splitlines()[0]}; {free:.1f} GB free "
+                         f"there); the checkpoints before it are kept: free space and run the same command to "
+                         f"resume") from None
     shutil.rmtree(ckpt_dir, ignore_errors=True)
     os.replace(tmp, ckpt_dir)
 

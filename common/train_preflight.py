@@ -1,12 +1,14 @@
 """Stage 4's checks before the verifier's pieces load and training starts: its input manifests agree with each other,
-the export's package is installed, one micro-batch fits in memory."""
+the export's package is installed, one micro-batch fits in memory, the checkpoints fit on disk."""
 import importlib.util
 import os
+import shutil
 from pathlib import Path
 
 import torch
 
 from common.drafts.dflash import trainable_count
+from common.drafts.layers import attention_backend
 from common.errors import UsageError
 from common.io import read_manifest
 from common.prepare import load_prepared
@@ -43,15 +45,16 @@ def memory_estimate(g, tokens, ttt_steps, longest_doc):
     return tokens * ttt_steps * per_token_step + attn
 
 
-def dflash_memory(g, tokens, anchors, longest_doc):
+def dflash_memory(g, tokens, anchors, longest_doc, flex=False):
     """Rough peak bytes of DFlash training: its weights with their gradients and AdamW state (fp32, 16 bytes a
     parameter: a stack of Kimi-size layers is most of it), the frozen embedding and heads, and one micro-batch in
-    fp32: the blocks' logits and softmax, every layer's activations, the per-document attention scores. Measured on
-    an H200 at Kimi geometry (2 layers, block 8, 8192 tokens): peak 33.8 GB, this says ~48."""
+    fp32: the blocks' logits and softmax, every layer's activations, the per-document attention scores (none with
+    flex attention). Measured on an H200 at Kimi geometry, block 8, 8192 tokens: 2 layers per document, peak
+    33.8 GB, this says ~48; z-lab's 6 layers with flex attention, peak 61.0 GB, this says ~80."""
     q = min(anchors, tokens) * g.block_size
     per_query = 4 * (4 * g.draft_vocab_size + g.num_layers * (14 * g.hidden_size + 3 * g.intermediate_size
                                                              + 2 * (g.num_heads + 2 * g.num_kv_heads) * g.head_dim))
-    attn = 4 * g.num_heads * q * (longest_doc + g.block_size) * g.num_layers * 3
+    attn = 0 if flex else 4 * g.num_heads * q * (longest_doc + g.block_size) * g.num_layers * 3
     context = 4 * tokens * (g.num_aux * g.hidden_size + g.num_layers * 4 * g.num_kv_heads * g.head_dim)
     weights = 16 * trainable_count(g) + 2 * g.hidden_size * (g.verifier_vocab_size + 2 * g.draft_vocab_size)
     return weights + q * per_query + attn + context
@@ -60,7 +63,8 @@ def dflash_memory(g, tokens, anchors, longest_doc):
 def micro_batch_memory(cfg, g, longest_doc, device):
     """-> (bytes one micro-batch needs, bytes free on the device or None)."""
     if cfg.draft_method == "dflash":
-        need = dflash_memory(g, cfg.max_tokens_per_step, cfg.max_anchors, longest_doc)
+        need = dflash_memory(g, cfg.max_tokens_per_step, cfg.max_anchors, longest_doc,
+                             attention_backend(device) == "flex")
     else:
         need = memory_estimate(g, cfg.max_tokens_per_step, cfg.ttt_steps, longest_doc)
     return need, available_memory(device)
@@ -70,6 +74,26 @@ def refuse_oversized(cfg, need, have, device):
     if have is not None and need > 0.9 * have:
         raise UsageError(f"one micro-batch of {cfg.max_tokens_per_step} tokens needs ~{need / 1e9:.1f} GB but "
                          f"{device} has {have / 1e9:.1f} GB free; lower --max-tokens-per-step (and raise --grad-accum)")
+
+
+def checkpoint_disk(cfg, trainable, steps, epochs, out):
+    """Refuse a run whose checkpoints cannot all be on disk at once: each holds the fp32 weights and both AdamW
+    moments (12 bytes a trainable parameter; 42 GB for z-lab's 6-layer Kimi DFlash geometry), and at the worst
+    moment the folder holds --keep-last of them, the best, and the one being written. steps, epochs: what the run
+    reaches. Checkpoints already there (a resume) count as written. -> bytes one checkpoint takes."""
+    size = 12 * trainable
+    saves = epochs + (steps // cfg.save_every if cfg.save_every else 0)  # one per epoch, or where it stops
+    slots = min(saves, cfg.keep_last + 2)
+    folder = Path(out) / "checkpoints"
+    there = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) if folder.is_dir() else 0
+    need = max(0, slots * size - there) + 2 * trainable  # and the exported draft, in bf16
+    probe = next(p for p in (Path(out), *Path(out).parents) if p.exists())
+    free = shutil.disk_usage(probe).free
+    if need > free:
+        raise UsageError(f"{slots} checkpoints of ~{size / 1e9:.1f} GB each (--keep-last {cfg.keep_last}, the best, "
+                         f"the one being written) and the export need ~{need / 1e9:.1f} GB but {probe} has "
+                         f"{free / 1e9:.1f} GB free; lower --keep-last, free space, or point --work-dir elsewhere")
+    return size
 
 
 def require_speculators(cfg):

@@ -9,8 +9,8 @@ import torch
 from common.checkpoints import gather_states, latest_checkpoint, load_checkpoint, prune_checkpoints, read_state, \
     save_checkpoint
 from common.distributed import agreed, all_reduce_sums, global_sums, wrap_parallel
-from common.drafts.dflash import flex_enabled
 from common.drafts.eagle3 import optimize_bf16, take_embedding
+from common.drafts.layers import attention_backend
 from common.drafts.losses import compile_loss
 from common.errors import UsageError
 from common.log import fmt_duration
@@ -83,7 +83,7 @@ class Trainer:
         self.host_embed = take_embedding(model, self.dtype) if device.type == "cuda" and not self.dflash else None
         self.model = model.to(device)
         if self.bf16 and self.dflash:
-            model.prepare_bf16(cfg.compile and device.type == "cuda" and flex_enabled())
+            model.prepare_bf16(cfg.compile and device.type == "cuda" and attention_backend(device) == "flex")
         elif self.bf16:
             optimize_bf16(model, cfg.compile and device.type == "cuda")
         log.info("precision: %s (--amp %s)", "bf16 autocast, fp32 master weights" if self.bf16 else "fp32", cfg.amp)

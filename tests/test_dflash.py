@@ -120,8 +120,8 @@ def test_slots_past_the_anchors_document_carry_no_loss():
 def test_flex_attention_equals_the_per_document_products(monkeypatch):
     """CUDA's block-sparse flex attention (one call, a mask made per forward) and the CPU's per-document products: the
     same logits and loss on packed documents, GQA, a block at a document's first token. Forward only: flex attention
-    has no CPU backward (the gradients are compared on a GPU: bench/train_throughput.py --variants flex+compile sdpa
-    --check)."""
+    has no CPU backward (on an H200 the two paths' fp32 gradients agree to 1e-5: bench/train_throughput.py --variants
+    flex+compile sdpa --check)."""
     g = geometry()
     b = batch((23, 17, 9))
     anchors = torch.tensor([3, 7, 12, 18, 26, 30, 34, 40, 45])
@@ -210,7 +210,8 @@ def test_vllm_serves_the_dflash_draft_with_the_verifiers_outputs(dflash_run):
     assert row["outputs_equal_baseline"] == row["prompts"] == 4  # fp32: speculative greedy = plain greedy
     assert row["acceptance_length"] == round(1 + row["accepted_tokens"] / row["drafts"], 4)
     one, base = row["tokens_per_s_concurrency_1"], row["baseline_tokens_per_s_concurrency_1"]
-    assert one > 0 and base > 0 and abs(row["speedup_concurrency_1"] - one / base) < 2e-3
+    # the rates are rounded to 0.01 in the file, the speedup is taken before: allow what that rounding moves
+    assert one > 0 and base > 0 and abs(row["speedup_concurrency_1"] - one / base) <= 5e-4 + 0.005 * (1 + one / base) / base
 
 
 def test_the_mask_token_is_resolved_as_speculators_does_or_refused(tokenizer):

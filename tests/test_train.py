@@ -466,3 +466,55 @@ def test_a_damaged_exported_draft_is_refused_before_an_engine_starts(trained, tm
         assert "vLLM engine ready" not in proc.output and "baseline" not in proc.output
         conf.write_text(good_conf)
         weights.write_bytes(good_weights)
+
+
+def test_a_checkpoint_the_disk_cannot_hold_stops_in_one_line_and_keeps_the_last(tmp_path):
+    """A full disk mid-run (a 42 GB Kimi DFlash checkpoint filled an H200 node's disk: a torch.save traceback and a
+    half-written folder) ends in one line; the half-written checkpoint is removed, the one before it kept. The full
+    disk is a file-size limit on a child process: writes past 1 MiB fail there as on a full disk."""
+    code = f"""
+import resource, signal, sys, torch
+sys.path.insert(0, {str(ROOT)!r})
+from pathlib import Path
+from common.checkpoints import latest_checkpoint, save_checkpoint
+from common.errors import UsageError
+opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(4))])
+sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+weights, folder = {{"w": torch.ones(1 << 19)}}, Path({str(tmp_path)!r})
+save_checkpoint(folder / "step_1", weights, opt.state_dict(), sched, {{"step": 1}})
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+try:
+    save_checkpoint(folder / "step_2", {{"w": torch.ones(1 << 20)}}, opt.state_dict(), sched, {{"step": 2}})
+except UsageError as exc:
+    print("refused:", exc)
+print("latest:", latest_checkpoint(folder).name)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    lines = proc.stdout.splitlines()
+    assert proc.returncode == 0 and len(lines) == 2, proc.stdout + proc.stderr
+    assert lines[0].startswith(f"refused: writing checkpoint {tmp_path / 'step_2'} failed (") and "File too large" in \
+        lines[0] and lines[0].endswith("the checkpoints before it are kept: free space and run the same command to "
+                                       "resume"), lines[0]
+    assert lines[1] == "latest: step_1" and sorted(p.name for p in tmp_path.iterdir()) == ["step_1"]
+    assert load_file(str(tmp_path / "step_1" / "trainable.safetensors"))["w"].numel() == 1 << 19
+
+
+def test_checkpoints_that_cannot_fit_on_disk_are_refused_before_training(tmp_path):
+    """The disk preflight counts the checkpoints a run holds at once (--keep-last, the best, the one being written),
+    each 12 bytes a trainable parameter, minus those already there, plus the export."""
+    from common.errors import UsageError
+    from common.train_preflight import checkpoint_disk
+    cfg = SimpleNamespace(epochs=10, save_every=0, keep_last=2)
+    assert checkpoint_disk(cfg, 1000, 40, 10, tmp_path) == 12000
+    free = shutil.disk_usage(tmp_path).free
+    n = free // 12 // 3  # 3 slots of this size fit; 4 (--keep-last 2: two, the best, the one being written) do not
+    with pytest.raises(UsageError) as err:
+        checkpoint_disk(cfg, n, 40, 10, tmp_path)
+    msg = str(err.value)
+    assert msg.startswith(f"4 checkpoints of ~{12 * n / 1e9:.1f} GB each (--keep-last 2, the best, the one being "
+                          f"written) and the export need ~") and "lower --keep-last" in msg, msg
+    checkpoint_disk(SimpleNamespace(epochs=10, save_every=0, keep_last=0), n, 40, 10, tmp_path)  # 2 slots fit
+    with pytest.raises(UsageError, match="^3 checkpoints"):  # --save-every 10 over 20 steps of 2 epochs: 4 saves
+        checkpoint_disk(SimpleNamespace(epochs=2, save_every=10, keep_last=1), 2 * n, 20, 2, tmp_path)
+    checkpoint_disk(SimpleNamespace(epochs=1, save_every=0, keep_last=2), n, 4, 1, tmp_path)  # one save

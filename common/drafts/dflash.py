@@ -16,7 +16,6 @@ chance that the block gets that far), divided by the masked slot count.
 Slots whose token lies past the anchor's document are masked (speculators lets a block run into the next
 packed document; blocks that stay inside one document compute exactly what speculators computes).
 """
-import os
 from dataclasses import dataclass
 
 import torch
@@ -63,16 +62,10 @@ class BlockAttention(nn.Module):
         return self.o_proj(out.transpose(0, 1).reshape(x.shape[0], -1))
 
 
-def flex_enabled():
-    """Flex attention (and compiled norms/SwiGLU/RoPE) for DFlash: equal to the per-document path in a CPU forward,
-    not yet run on a GPU, so opt-in (EAGLE3_ATTN=flex) until an H200 run shows it right and faster there."""
-    return os.environ.get("EAGLE3_ATTN") == "flex"
-
-
 def block_plan(doc, anchors, block_size):
     """The attention of the blocks anchored at `anchors` (sorted positions in the packed sequence of documents
-    `doc`): one block-sparse flex-attention call (flex_enabled), else per document."""
-    if flex_enabled():
+    `doc`): one block-sparse flex-attention call on CUDA (layers.attention_backend), else per document."""
+    if layers.attention_backend(doc.device) == "flex":
         return FlexBlocks(doc, anchors, block_size)
     return PerDocumentBlocks(doc, anchors, block_size)
 
