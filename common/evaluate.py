@@ -1,8 +1,10 @@
 """Stage 5 logic: acceptance of the trained draft in vLLM, read from vLLM's own metrics."""
+import json
 import time
 from pathlib import Path
 
 from common.errors import UsageError
+from common.io import sha256_text, write_json_atomic
 from common.sources import iter_jsonl, mtbench_questions
 
 
@@ -100,6 +102,38 @@ def run_engine(model_dir, cfg, prompts, speculative=None):
     steps = [list(o.outputs[0].spec_decode_metrics.per_step_accepted) if o.outputs[0].spec_decode_metrics else None
              for o in outs]
     return [list(o.outputs[0].token_ids) for o in outs], seconds, counters, steps, single
+
+
+def baseline_key(model_dir, cfg, prompts):
+    """What the verifier's own outputs and timings depend on: its files (names, sizes, times), the prompts, the
+    decoding and engine settings, the vLLM version."""
+    import vllm
+
+    from common.engine import compute_dtype
+    files = sorted((p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in Path(model_dir).iterdir() if p.is_file())
+    settings = {k: cfg[k] for k in ("max_new_tokens", "temperature", "seed", "max_seq_len", "latency_prompts",
+                                    "tensor_parallel_size", "pipeline_parallel_size", "cpu_kv_cache_gb")}
+    settings["dtype"] = compute_dtype(cfg.eval_dtype or cfg.dtype)
+    return sha256_text(json.dumps([str(Path(model_dir).resolve()), files, settings, vllm.__version__,
+                                   [p["prompt_token_ids"] for p in prompts]]))
+
+
+def load_baseline(out, key):
+    """The baseline an earlier run of this stage decoded with the same key -> (run_engine's tokens, seconds, single;
+    when it was decoded), else None: a re-run after a failed draft engine, or a second draft, skips a model load."""
+    path = Path(out) / "baseline.json"
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if saved.get("key") != key:
+        return None
+    return (saved["tokens"], saved["seconds"], saved["single"] and tuple(saved["single"])), saved["decoded"]
+
+
+def save_baseline(out, key, tokens, seconds, single):
+    write_json_atomic(Path(out) / "baseline.json", {"key": key, "decoded": time.strftime("%Y-%m-%d %H:%M:%S"),
+                                                    "seconds": seconds, "single": single, "tokens": tokens})
 
 
 def one_at_a_time(llm, prompts, params):

@@ -59,3 +59,39 @@ def test_validation_comparison_puts_the_verifiers_own_answers_beside_the_blend()
     assert rows[0]["trainer_simulated_acceptance_length"] == 1.8  # 1 + 0.5 + 0.3
     assert rows[0]["trainer_simulated_on_verifier_answers"] == 2.0  # 1 + 0.6 + 0.4: what vLLM serves
     assert rows[0]["trainer_full_accuracy_on_verifier_answers"] == [0.6, 0.4]
+
+
+def test_a_saved_baseline_is_reused_only_for_the_same_verifier_prompts_and_settings(tmp_path, verifier_dir):
+    """Stage 5 keeps the verifier's own decoding in eval/baseline.json (a draft engine that fails next, or a second
+    draft, skips a model load: 22 minutes of 8 GPUs for Kimi-K2.5); any change to what that decoding depends on
+    decodes again."""
+    import os
+    import shutil
+
+    from common.config import parse_config
+    from common.evaluate import baseline_key, load_baseline, save_baseline
+    cfg = parse_config(5, "t", ["--max-new-tokens", "32"])
+    prompts = [{"prompt_token_ids": [1, 2, 3]}, {"prompt_token_ids": [4, 5]}]
+    key = baseline_key(verifier_dir, cfg, prompts)
+    assert load_baseline(tmp_path, key) is None  # nothing saved yet
+    save_baseline(tmp_path, key, [[7, 8], [9]], 1.5, (3, 0.5))
+    (tokens, seconds, single), when = load_baseline(tmp_path, key)
+    assert (tokens, seconds, single) == ([[7, 8], [9]], 1.5, (3, 0.5)) and when[:4].isdigit()
+    assert baseline_key(verifier_dir, cfg, prompts) == key  # the same inputs, the same key
+    changed = [baseline_key(verifier_dir, parse_config(5, "t", ["--max-new-tokens", "33"]), prompts),
+               baseline_key(verifier_dir, parse_config(5, "t", ["--max-new-tokens", "32", "--temperature", "0.7"]),
+                            prompts),
+               baseline_key(verifier_dir, parse_config(5, "t", ["--max-new-tokens", "32", "--latency-prompts", "2"]),
+                            prompts),
+               baseline_key(verifier_dir, cfg, prompts[:1]),
+               baseline_key(verifier_dir, cfg, [{"prompt_token_ids": [1, 2, 4]}, prompts[1]])]
+    copy = shutil.copytree(verifier_dir, tmp_path / "verifier")  # same files, another folder
+    changed.append(baseline_key(copy, cfg, prompts))
+    weights = next(p for p in copy.iterdir() if p.suffix == ".safetensors")
+    before = baseline_key(copy, cfg, prompts)
+    os.utime(weights, (weights.stat().st_atime, weights.stat().st_mtime + 60))  # the weights replaced
+    changed.append(baseline_key(copy, cfg, prompts))
+    assert changed[-1] != before and len({key, *changed}) == len(changed) + 1, changed
+    assert all(load_baseline(tmp_path, k) is None for k in changed)
+    (tmp_path / "baseline.json").write_text("{half written")
+    assert load_baseline(tmp_path, key) is None  # a damaged file decodes again
