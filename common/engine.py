@@ -134,11 +134,7 @@ def make_llm(model, cfg, max_model_len=None, dtype=None, **extra):
         extra.setdefault("enforce_eager", True)
         workers = cfg.tensor_parallel_size * cfg.pipeline_parallel_size
         fallback = False  # set when this code, not the user, chose an in-process engine
-        if "kv_transfer_config" in extra:
-            # extraction: the reader waits on the connector's file lock, which the worker releases when it has
-            # written the file; in one process (one thread) that wait never ends
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
-        elif workers == 1 and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", IN_PROCESS[0]) == IN_PROCESS[0]:
+        if workers == 1 and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", IN_PROCESS[0]) == IN_PROCESS[0]:
             # engine core and worker in this process: ready in ~5 s, where two more processes that each import
             # torch and vLLM took ~35 s on 2 cores (same outputs; VLLM_ENABLE_V1_MULTIPROCESSING=1 restores them)
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = IN_PROCESS[0]

@@ -1,4 +1,5 @@
 """Stage 2 logic: verifier hidden states for every prepared sample, through vLLM or transformers."""
+import fcntl
 import os
 import shutil
 import time
@@ -83,11 +84,40 @@ class VllmExtractor:
             cleanup_hidden_states, load_hidden_states)
         outs = self.llm.generate([{"prompt_token_ids": list(ids)} for _, ids in batch],
                                  SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
+        self._write_pending([out.kv_transfer_params["hidden_states_path"] for out in outs])
         for (idx, _), out in zip(batch, outs):
             path = out.kv_transfer_params["hidden_states_path"]
             data = load_hidden_states(path)  # waits on the writer's lock
             cleanup_hidden_states(path)
             yield idx, data["hidden_states"], data["token_ids"]
+
+
+    def _write_pending(self, paths):
+        """The connector writes a finished request's file in the engine's next step. An engine with its own process
+        keeps stepping; one inside this process steps only within generate(), which returns as the last requests
+        finish, before that step: run steps here until every file's lock is free (else the read waits forever)."""
+        if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
+            return
+        for _ in range(16):
+            if all(map(written, paths)):
+                return
+            self.llm.llm_engine.step()
+        raise RuntimeError(f"vLLM's connector did not write {[p for p in paths if not written(p)]}")
+
+
+def written(path):
+    """Is the connector done with this file (it holds an exclusive lock on path.lock until written)?"""
+    try:
+        fd = os.open(path + ".lock", os.O_RDONLY)
+    except FileNotFoundError:
+        return os.path.exists(path)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
 
 
 class HfExtractor:
