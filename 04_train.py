@@ -92,7 +92,8 @@ def main():
     refuse_oversized(cfg, need, have, device)
     out = Path(cfg.work_dir) / "train"
     per_epoch = len(bins[0]) // (world * cfg.grad_accum)
-    steps = min(per_epoch * cfg.epochs, cfg.max_steps or per_epoch * cfg.epochs)
+    steps = sum(len(b) // (world * cfg.grad_accum) for b in bins)  # as the trainer counts them
+    steps = min(steps, cfg.max_steps or steps)
     ckpt = checkpoint_disk(cfg, trainable_parameters(g, cfg.train_lm_head), steps, -(-steps // per_epoch), out)
     log.info("disk: %d steps, checkpoints of ~%.2f GB (--keep-last %d)", steps, ckpt / 1e9, cfg.keep_last)
     if cfg.dry_run:

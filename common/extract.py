@@ -91,7 +91,6 @@ class VllmExtractor:
             cleanup_hidden_states(path)
             yield idx, data["hidden_states"], data["token_ids"]
 
-
     def _write_pending(self, paths):
         """The connector writes a finished request's file in the engine's next step. An engine with its own process
         keeps stepping; one inside this process steps only within generate(), which returns as the last requests

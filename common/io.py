@@ -78,10 +78,15 @@ def read_manifest(folder, stage, produced_by):
     return data
 
 
-def check_free_disk(folder, need_bytes, what):
+def free_disk(folder):
+    """-> (the folder or its nearest existing parent, bytes free there)."""
     folder = Path(folder)
     probe = folder if folder.exists() else next(p for p in folder.parents if p.exists())
-    free = shutil.disk_usage(probe).free
+    return probe, shutil.disk_usage(probe).free
+
+
+def check_free_disk(folder, need_bytes, what):
+    probe, free = free_disk(folder)
     if need_bytes > free:
         raise UsageError(f"{what} needs ~{need_bytes / 1e9:.2f} GB but {probe} has {free / 1e9:.2f} GB free; "
                          f"free space or point --work-dir elsewhere")

@@ -2,7 +2,6 @@
 the export's package is installed, one micro-batch fits in memory, the checkpoints fit on disk."""
 import importlib.util
 import os
-import shutil
 from pathlib import Path
 
 import torch
@@ -10,7 +9,7 @@ import torch
 from common.drafts.dflash import trainable_count
 from common.drafts.layers import attention_backend
 from common.errors import UsageError
-from common.io import read_manifest
+from common.io import free_disk, read_manifest
 from common.prepare import load_prepared
 
 
@@ -87,8 +86,7 @@ def checkpoint_disk(cfg, trainable, steps, epochs, out):
     folder = Path(out) / "checkpoints"
     there = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) if folder.is_dir() else 0
     need = max(0, slots * size - there) + 2 * trainable  # and the exported draft, in bf16
-    probe = next(p for p in (Path(out), *Path(out).parents) if p.exists())
-    free = shutil.disk_usage(probe).free
+    probe, free = free_disk(out)
     if need > free:
         raise UsageError(f"{slots} checkpoints of ~{size / 1e9:.1f} GB each (--keep-last {cfg.keep_last}, the best, "
                          f"the one being written) and the export need ~{need / 1e9:.1f} GB but {probe} has "
