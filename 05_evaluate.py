@@ -9,6 +9,7 @@ where each k's output first differs from it. --num-speculative-tokens 1,2,3 swee
 largest k, the smaller k's acceptance derived from its per-position counts (--exact-k-sweep: one
 engine per k, each a model load).
 """
+import os
 import time
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from common.evaluate import (acceptance_breakdown, acceptance_row, baseline_key,
 from common.export import check_exported_draft, draft_method
 from common.io import read_manifest, write_manifest
 from common.models import load_tokenizer, open_verifier
+from common.served import check_served_as_trained
 from common.stage import ensure_writable, start
 
 
@@ -32,6 +34,8 @@ def main():
     if method != cfg.draft_method:  # vLLM would load it with the wrong proposer, after the verifier's model load
         raise UsageError(f"{draft} holds a {method} draft but --draft-method is "
                          f"{cfg.draft_method}; pass --draft-method {method} (the config may set it)")
+    if os.environ.get("EAGLE3_SERVE_AS_EXPORTED") != "1":  # the parity gate's own test serves a broken export on purpose
+        check_served_as_trained(draft, train_man["params"])  # vLLM's readers against stage 4's geometry, in seconds
     items = eval_prompts(cfg.eval_dataset, cfg.eval_limit, work)
     model_dir, text_cfg = open_verifier(cfg, log)
     from common.engine import check_parallel, cpu_mla_fallback

@@ -87,6 +87,9 @@ def dflash_config(g, aux_ids, verifier_name, verifier_config):
     conf = DFlashSpeculatorConfig(
         transformer_layer_config=layer, draft_vocab_size=g.draft_vocab_size, block_size=g.block_size,
         aux_hidden_state_layer_ids=list(aux_ids), mask_token_id=g.mask_token_id, sample_from_anchor=False,
+        # non-causal within the block, as trained: vLLM (0.32 and 0.33) serves every layer causally when this is
+        # false (speculators' default), though speculators itself trains full-attention layers non-causally
+        sliding_window_non_causal=True,
         speculators_config=SpeculatorsConfig(
             algorithm="dflash", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=g.block_size - 1)],
             default_proposal_method="greedy", verifier=VerifierConfig(name_or_path=verifier_name, architectures=archs)))
@@ -95,16 +98,20 @@ def dflash_config(g, aux_ids, verifier_name, verifier_config):
     return d
 
 
+def draft_config(g, fmt, aux_ids, verifier_name, verifier_config, ttt_steps):
+    """config.json of a draft of geometry g in export format fmt (a DFlash draft has speculators' format only)."""
+    if hasattr(g, "block_size"):
+        return dflash_config(g, aux_ids, verifier_name, verifier_config)
+    if fmt == "speculators":
+        return speculators_config(g, aux_ids, verifier_name, verifier_config, ttt_steps)
+    return eagle_config(g, aux_ids, verifier_config)
+
+
 def export_draft(model, out_dir, fmt, aux_ids, verifier_name, verifier_config, ttt_steps, extra_meta):
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     weights = export_weights(model, fmt)
-    if hasattr(model.g, "block_size"):  # DFlash: speculators' format is the one vLLM serves
-        cfg = dflash_config(model.g, aux_ids, verifier_name, verifier_config)
-    elif fmt == "speculators":
-        cfg = speculators_config(model.g, aux_ids, verifier_name, verifier_config, ttt_steps)
-    else:
-        cfg = eagle_config(model.g, aux_ids, verifier_config)
+    cfg = draft_config(model.g, fmt, aux_ids, verifier_name, verifier_config, ttt_steps)
     cfg["eagle3_train"] = extra_meta  # layer convention, data, metrics: provenance for whoever serves it
     with atomic_path(out / "model.safetensors") as tmp:
         save_file(weights, str(tmp), metadata={"format": "pt"})

@@ -159,6 +159,7 @@ def test_stage4_trains_and_exports_a_dflash_draft_speculators_loads(dflash_run):
     work, log = dflash_run
     conf = json.loads((work / "final_draft" / "config.json").read_text())
     assert conf["speculators_model_type"] == "dflash" and conf["block_size"] == 4
+    assert conf["sliding_window_non_causal"] is True  # non-causal in the block, as trained (vLLM reads it so)
     assert conf["aux_hidden_state_layer_ids"] == conf["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
     assert conf["transformer_layer_config"]["num_hidden_layers"] == 2 and conf["draft_vocab_size"] == 1024
     assert conf["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
@@ -196,6 +197,24 @@ def test_methods_are_not_mixed_up(dflash_run, tmp_path):
     assert proc.returncode == 2 and "--draft-layers 3: an EAGLE-3 draft has one layer" in proc.stderr, proc.output[-2000:]
     proc = run_script("04_train.py", "--work-dir", tmp_path, "--draft-method", "dflash", "--block-size", 1)
     assert proc.returncode == 2 and proc.stderr.strip() == "error: --block-size must be >= 2, got 1"
+
+
+def test_a_draft_vllm_would_read_otherwise_is_refused_before_any_load(dflash_run):
+    """A hand-edited config.json (speculators' causal default back in): stage 5 names the field in one line, exit 2,
+    before the verifier's model load."""
+    work, _ = dflash_run
+    path = work / "final_draft" / "config.json"
+    original = path.read_text()
+    try:
+        path.write_text(json.dumps(dict(json.loads(original), sliding_window_non_causal=False)))
+        proc = run_script("05_evaluate.py", "--work-dir", work, *DFLASH, "--eval-limit", 1)
+    finally:
+        path.write_text(original)
+    assert proc.returncode == 2 and "vLLM engine ready" not in proc.output and "Traceback" not in proc.output
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: {work}/final_draft/config.json: vLLM would serve this draft differently from how stage 4 trained it "
+        "(causal: trained [False, False], vLLM reads [True, True]); re-run 04_train.py to re-export it (a hand-edited "
+        "config.json?)"), proc.output[-2000:]
 
 
 def test_vllm_serves_the_dflash_draft_with_the_verifiers_outputs(dflash_run):

