@@ -157,6 +157,10 @@ def finish(cfg, log, model, g, layer_ids, model_dir, text_cfg, state, val_rows, 
         log.info("best validation: full acc %s, cond acc %s, simulated acceptance length %.3f",
                  " / ".join(f"{best_val[f'full_acc_{i}']:.3f}" for i in range(k)),
                  " / ".join(f"{best_val[f'cond_acc_{i}']:.3f}" for i in range(k)), best_val["acceptance_length"])
+    log.info("context: the draft trained on samples of up to %d tokens (--max-seq-len) with plain RoPE at theta %g; "
+             "the serve command below caps --max-model-len there (raise it knowingly: acceptance past the trained "
+             "context is unmeasured; 05_evaluate.py --eval-dataset FILE.jsonl with long prompts measures it)",
+             cfg.max_seq_len, g.rope_theta)
     log.info("serve it (OpenAI-compatible server on port 8000): %s", serve_command(model_dir, final, cfg))
     return 0
 

@@ -15,8 +15,9 @@ from pathlib import Path
 
 from common.errors import UsageError, run_main
 from common.evaluate import (acceptance_breakdown, acceptance_row, baseline_key, compare_with_training, derived_rows,
-                             eval_prompts, load_baseline, prompt_categories, run_engine, save_baseline, save_outputs,
-                             save_results, single_note, vocab_coverage)
+                             eval_prompts, load_baseline, parity_samples, prompt_categories, run_engine, save_baseline,
+                             save_outputs, save_results, served_vs_predicted, single_note, vocab_coverage)
+from common.parity import verdict
 from common.export import check_exported_draft, draft_method
 from common.io import read_manifest, write_manifest
 from common.models import load_tokenizer, open_verifier
@@ -53,6 +54,10 @@ def main():
     if cfg.latency_prompts:
         log.info("plan: then, in each engine, the first %d prompts one at a time (tokens/s at concurrency 1)",
                  min(cfg.latency_prompts, len(items)))
+    checks, why_not = parity_samples(work, cfg.parity_prompts, cfg.max_seq_len - cfg.max_new_tokens)
+    log.info("plan: %s", f"then {len(checks)} held-out samples with the verifier's own answers, greedy, in the draft's "
+             f"engine: every verify step against what the draft predicts there" if checks else
+             f"no served-vs-trained check ({why_not})")
     if cfg.dry_run:
         log.info("dry run: nothing written")
         return 0
@@ -80,7 +85,7 @@ def main():
         log.info("baseline: reused %s/baseline.json, decoded %s with the same verifier files, prompts and settings "
                  "(no engine started; its tokens/s are from then: delete the file to decode again)", out, when)
     else:
-        base_tokens, base_s, _, _, base_single = run_engine(model_dir, cfg, prompts)
+        base_tokens, base_s, _, _, base_single, _ = run_engine(model_dir, cfg, prompts)
         save_baseline(out, key, base_tokens, base_s, base_single)  # a draft engine that fails next keeps it
     log.info("baseline (no speculation): %d tokens in %.1fs = %.1f tokens/s%s", sum(map(len, base_tokens)), base_s,
              sum(map(len, base_tokens)) / base_s, single_note(base_single))
@@ -93,7 +98,9 @@ def main():
     engines = ks if cfg.exact_k_sweep else ks[-1:]  # each engine is a model load (22 min for Kimi-K2.5)
     for k in engines:
         spec = {"method": method, "model": str(draft.resolve()), "num_speculative_tokens": k}
-        tokens, secs, counters, steps, single = run_engine(model_dir, cfg, prompts, spec)
+        check = [{"prompt_token_ids": r["input_ids"][:r["loss_mask"].index(1)]} for _, r in checks] \
+            if checks and k == engines[-1] else None
+        tokens, secs, counters, steps, single, checked = run_engine(model_dir, cfg, prompts, spec, check)
         row = acceptance_row(k, tokens, secs, counters, base_tokens, base_s, single, base_single)
         row["breakdown"] = acceptance_breakdown(steps, [categories.get(r, "") for r in ids_kept], k)
         rows.append(row)
@@ -109,6 +116,8 @@ def main():
         for key, table in (row["breakdown"] or {}).items():
             log.info("k=%d %s: %s", k, key.replace("_", " "), ", ".join(
                 f"{name} {v['acceptance_length']:.3f}" for name, v in table.items()))
+        if checked:
+            parity_check(work, checks, checked, k, train_man, row, log)
         if cfg.temperature == 0 and row["outputs_equal_baseline"] != row["prompts"]:
             log.warning("k=%d: %d greedy outputs differ from the verifier's own (numerical near-ties or an engine "
                         "issue)", k, row["prompts"] - row["outputs_equal_baseline"])
@@ -132,6 +141,21 @@ def main():
                    results=rows, timings={"total_seconds": round(time.time() - t0, 1)})
     log.info("wrote %s/acceptance.json, acceptance.md and outputs.jsonl", out)
     return 0
+
+
+def parity_check(work, checks, checked, k, train_man, row, log):
+    """Served against trained on held-out samples: vLLM's accepted count at every verify step against the draft's
+    prediction there; one warning line when they differ beyond near-ties."""
+    t0 = time.time()
+    c = served_vs_predicted(work, checks, checked, k)
+    best = train_man.get("best_validation") or {}
+    c["stage4_validation"] = [best.get(f"full_acc_{j}") for j in range(k)] if best else None
+    row["served_vs_predicted"] = c
+    log.info("k=%d served vs trained on %d held-out samples: vLLM accepted what the draft predicts at %d of %d verify "
+             "steps; per position vLLM %s, predicted %s (%.1f s)", k, c["prompts"], c["agree"], c["steps"],
+             c["served_per_position"], c["predicted_per_position"], time.time() - t0)
+    if verdict(c):
+        log.warning("k=%d: %s", k, verdict(c))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.parity import load_exported_draft, predicted_accepts, verify_walk  # noqa: E402
+from common.parity import load_exported_draft, predictions, verify_walk  # noqa: E402
 from common.prepare import DATASET_ANSWER, load_prepared  # noqa: E402
 
 
@@ -45,8 +45,8 @@ def main():
         samples += 1
         prompt = rec["loss_mask"].index(1)
         n = len(rec["input_ids"]) - prompt
-        predicted = predicted_accepts(model, d2t, folder, i, rec["input_ids"], k)
-        every += [(q, predicted[prompt + q - 2]) for q in range(1, n - k + 1)]
+        predicted = predictions(model, d2t, folder, i, rec["input_ids"], k)
+        every += [(q, predicted[prompt + q][0]) for q in range(1, n - k + 1)]
         walk += verify_walk(predicted, prompt, n, k)
         out = served.get(rec["id"])
         if out and out[f"k{k}_ids"] == rec["input_ids"][prompt:prompt + len(out[f"k{k}_ids"])]:
@@ -56,7 +56,7 @@ def main():
             for accepted in out[f"k{k}_accepted_per_step"]:
                 if q + k <= len(out[f"k{k}_ids"]):
                     vllm.append((q, accepted))
-                    agree += accepted == predicted[prompt + q - 2]
+                    agree += accepted == predicted[prompt + q][0]
                     compared += 1
                 q += accepted + 1
     print(f"{samples} held-out samples with the verifier's own answers, k={k}, hidden states from {folder}")

@@ -177,6 +177,9 @@ OPTIONS = [
     Opt("latency_prompts", int, 8, "also decode the first N prompts one at a time, with and without the draft: "
         "tokens/s at concurrency 1, what one user waiting for an answer sees (0 = skip)", stages="5",
         range="[0, inf)"),
+    Opt("parity_prompts", int, 8, "also serve the first N held-out samples holding the verifier's own answers (greedy, "
+        "in the draft's engine) and compare every verify step with what the draft predicts there (0 = skip)",
+        stages="5", range="[0, inf)"),
 ]
 BY_NAME = {o.name: o for o in OPTIONS}
 

@@ -74,11 +74,12 @@ def per_request_metrics_supported():
     return "per_request_spec_decode_metrics" in {f.name for f in fields(EngineArgs)}
 
 
-def run_engine(model_dir, cfg, prompts, speculative=None):
+def run_engine(model_dir, cfg, prompts, speculative=None, check=None):
     """Generate greedily (or at --temperature) for all prompts at once; -> (token lists, seconds, counters, steps,
-    single): steps[i] = prompt i's accepted drafts per verify step, in order (None without per-request metrics);
-    single = (tokens, seconds) of the first --latency-prompts prompts decoded one at a time, after the batch
-    (so vLLM's counters above are the whole batch's)."""
+    single, checked): steps[i] = prompt i's accepted drafts per verify step, in order (None without per-request
+    metrics); single = (tokens, seconds) of the first --latency-prompts prompts decoded one at a time, after the
+    batch (so vLLM's counters above are the whole batch's); checked = (token lists, steps) of the `check` prompts,
+    decoded greedily last (the parity check's)."""
     from vllm import SamplingParams
 
     from common.engine import close_llm, make_llm
@@ -98,10 +99,16 @@ def run_engine(model_dir, cfg, prompts, speculative=None):
     counters = {k: (after[k] - before[k]) if k != "per_pos" else
                 [a - b for a, b in zip(after[k], before[k] or [0] * len(after[k]))] for k in after}
     single = one_at_a_time(llm, prompts[:cfg.latency_prompts], params)
+    checked = check and llm.generate(check, SamplingParams(temperature=0, max_tokens=cfg.max_new_tokens), use_tqdm=False)
     close_llm(llm)
-    steps = [list(o.outputs[0].spec_decode_metrics.per_step_accepted) if o.outputs[0].spec_decode_metrics else None
-             for o in outs]
-    return [list(o.outputs[0].token_ids) for o in outs], seconds, counters, steps, single
+    tokens, steps = _tokens_and_steps(outs)
+    return tokens, seconds, counters, steps, single, checked and _tokens_and_steps(checked)
+
+
+def _tokens_and_steps(outs):
+    return [list(o.outputs[0].token_ids) for o in outs], \
+        [list(o.outputs[0].spec_decode_metrics.per_step_accepted) if o.outputs[0].spec_decode_metrics else None
+         for o in outs]
 
 
 def baseline_key(model_dir, cfg, prompts):
@@ -265,6 +272,9 @@ def markdown_table(rows, label):
                       "an answer sees)", "", "| k | tokens/s | baseline tokens/s | speedup |", "|---|---|---|---|"]
         lines += [f"| {r['num_speculative_tokens']} | {r['tokens_per_s_concurrency_1']:.1f} | "
                   f"{r['baseline_tokens_per_s_concurrency_1']:.1f} | {r['speedup_concurrency_1']:.2f}x |" for r in single]
+    for r in rows:
+        if r.get("served_vs_predicted"):
+            lines += parity_table(r, r["served_vs_predicted"])
     if any(r.get("derived_from_k") for r in rows):
         lines += ["", "Rows marked 'from k=K' are derived from the k=K run's per-position counts (no engine of "
                       "their own; --exact-k-sweep runs one per k)."]
@@ -315,3 +325,54 @@ def save_results(out_dir, rows, meta):
     from common.io import write_json_atomic
     write_json_atomic(Path(out_dir) / "acceptance.json", {**meta, "results": rows})
     (Path(out_dir) / "acceptance.md").write_text(markdown_table(rows, meta["eval_dataset"]))
+
+
+def parity_samples(work, limit, room):
+    """The first `limit` held-out samples that hold the verifier's own answer (what vLLM writes at temperature 0) and
+    whose prompt fits `room` tokens -> ([(index, record)], why none)."""
+    from common.hidden_states import sample_path
+    from common.io import read_manifest
+    from common.prepare import DATASET_ANSWER, load_prepared
+    if not limit:
+        return [], "--parity-prompts 0"
+    prep, records = load_prepared(work)
+    if not prep["params"].get("regenerate"):
+        return [], "stage 1 kept the dataset's answers (no --regenerate): vLLM writes other ones"
+    held = read_manifest(Path(work) / "train", "train", "04_train.py").get("validation_samples") or []
+    chosen = [(i, records[i]) for i in held if not records[i]["id"].endswith(DATASET_ANSWER)
+              and records[i]["loss_mask"].index(1) <= room and sample_path(Path(work) / "hidden_states", i).is_file()]
+    return chosen[:limit], "" if chosen else "no held-out sample with the verifier's own answer and its hidden states"
+
+
+def served_vs_predicted(work, samples, checked, k):
+    """vLLM's verify steps on `samples` (checked: their served tokens and steps) against what our exported draft,
+    run as in training over the same tokens' stored hidden states, predicts at each step (common/parity.py)."""
+    from common.engine import on_cpu
+    from common.parity import compare_steps, load_exported_draft, predictions, served_steps
+    model, d2t = load_exported_draft(Path(work), "cpu" if on_cpu() else "cuda")
+    pairs = []
+    for (i, rec), ids, steps in zip(samples, *checked):
+        prompt = rec["loss_mask"].index(1)
+        at = served_steps(rec["input_ids"], prompt, ids, steps or [], k)
+        if at:
+            predicted = predictions(model, d2t, Path(work) / "hidden_states", i, rec["input_ids"], k)
+            pairs += [(a, predicted[t], f"{rec['id']}@{t - prompt}") for t, a in at]
+    return dict(compare_steps(pairs, k), prompts=len(samples))
+
+
+def parity_table(r, c):
+    """acceptance.md's section: per position, vLLM beside the draft's prediction at the same verify steps and stage 4's
+    validation figure (every held-out position), then the disagreements with their margins."""
+    trained = c.get("stage4_validation") or [None] * len(c["served_per_position"])
+    lines = ["", f"k={r['num_speculative_tokens']}: served against trained on {c['prompts']} held-out samples holding "
+                 f"the verifier's own answers: at {c['agree']} of {c['steps']} verify steps vLLM accepted what the draft, "
+                 f"run as in training over the same tokens, predicts", "",
+             "| drafted position | vLLM | predicted at vLLM's steps | stage 4 validation (every position) |",
+             "|---|---|---|---|"]
+    lines += [f"| {j + 1} | {s:.3f} | {p:.3f} | {_num(t, '.3f')} |"
+              for j, (s, p, t) in enumerate(zip(c["served_per_position"], c["predicted_per_position"], trained))]
+    if c["disagreements"]:
+        shown = ", ".join(f"{d['step']} vLLM {d['served']} / predicted {d['predicted']} (margin {d['margin']:.2f})"
+                          for d in c["disagreements"][:12])
+        lines += ["", f"Disagreements, smallest logit margin first ({c['beyond_near_ties']} at a margin >= 1): {shown}"]
+    return lines

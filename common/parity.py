@@ -1,8 +1,11 @@
-"""What vLLM should accept, predicted from our draft: the exported weights run over a sample's stored
-hidden states give, at every row, how many leading TTT predictions are right; a vLLM verify step whose
-first drafted token is answer token q sees what row P+q-2 sees (P: the prompt's length), so that count
-is its accepted count, numerics aside. Used by the parity gate (tests/test_parity.py) and by
-bench/served_vs_simulated.py (where a served acceptance length differs from training's, and why).
+"""What vLLM should accept, predicted from our draft: the exported weights run over a sample's stored hidden states,
+as in training, give for every place a verify step can start how many leading drafts are right. A vLLM verify step
+whose first drafted token is token t of the sequence sees what training sees there (EAGLE-3: row t-2 of the TTT
+unroll; DFlash: the block anchored at t-1, the last accepted token): the same context, the same teacher-forced
+tokens wherever the drafts are right. So that count is vLLM's accepted count, numerics aside: the stored states are
+bf16, vLLM's fp32, and a draft whose top two tokens are nearly tied (a small logit margin) may flip. Stage 5 compares
+every served verify step with this prediction (compare_steps); the parity gate (tests/test_parity.py) and
+bench/served_vs_simulated.py use it too.
 """
 import json
 
@@ -10,8 +13,10 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
+NEAR_TIE = 1.0  # logits between our draft's top two tokens below which a flip is numerics (bf16 states), not a defect
 
-def load_exported_draft(work):
+
+def load_exported_draft(work, device="cpu"):
     """Our draft (EAGLE-3 or DFlash) with the exported (bf16) weights of <work>/final_draft, as vLLM loads them;
     -> (model, d2t)."""
     from common.build_draft import build_model
@@ -26,24 +31,93 @@ def load_exported_draft(work):
     if "midlayer.self_attn.q_proj.weight" in exported:
         exported = {k.replace("midlayer.", "layers.0."): v for k, v in exported.items()}
     model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in exported.items()}, strict=False)
-    return model.eval(), torch.as_tensor(d2t)
+    return model.eval().to(device), torch.as_tensor(d2t)
 
 
-def predicted_accepts(model, d2t, folder, index, tokens, k):
-    """row -> leading right TTT predictions (0..k) of the draft at that row of sample `index` (hidden states in folder)."""
+def _batch(folder, index, n, shift, device):
     from common.train_data import PackedDataset
-    b = PackedDataset(folder, [[index]], len(tokens))[0]
-    b = {key: v.float() if torch.is_tensor(v) and v.is_floating_point() else v for key, v in b.items()}
-    with torch.no_grad():
-        logits = model.unroll(b["aux"], b["ids"], b["pos"], b["doc"], b["docs"], k)
+    b = PackedDataset(folder, [[index]], n, shift=shift)[0]
+    return {key: (v.float() if v.is_floating_point() else v).to(device) if torch.is_tensor(v) else v
+            for key, v in b.items()}
+
+
+def _counts(guess, margins, tokens, starts, k):
+    """guess/margins [S, k] for the steps whose first draft is token starts[s] -> {t: (right drafts, margins)}."""
+    out = {}
+    for s, t in enumerate(starts.tolist()):
+        n = 0
+        while n < k and t + n < len(tokens) and guess[s, n] == tokens[t + n]:
+            n += 1
+        out[t] = (n, margins[s].tolist())
+    return out
+
+
+def predictions(model, d2t, folder, index, tokens, k):
+    """t -> (leading right drafts of a verify step whose first draft is token t, our draft's logit margin between
+    its top two tokens at each drafted position), for sample `index` (hidden states in folder)."""
+    dev = next(model.parameters()).device
     tokens = torch.as_tensor(tokens)
-    right = []
-    for j in range(k):
-        top = logits[j].argmax(-1)
-        guess = top + d2t[top]  # draft vocab -> verifier ids
-        n = len(tokens) - 2 - j  # row i at step j predicts token i + 2 + j
-        right.append(guess[:n] == tokens[2 + j:2 + j + n])
-    return {row: next((j for j in range(k) if not right[j][row]), k) for row in range(len(right[-1]))}
+    T = len(tokens)
+    with torch.no_grad():
+        if hasattr(model.g, "block_size"):  # DFlash: the block anchored at t - 1; slot i predicts token t - 1 + i
+            b = _batch(folder, index, T, 0, dev)
+            anchors = torch.arange(T - 1, device=dev)
+            logits = model.block_logits(b["aux"], b["ids"], b["pos"], b["doc"], anchors)
+            logits = logits.view(T - 1, model.g.block_size, -1)[:, 1:k + 1].float()
+            starts = torch.arange(1, T)
+        else:  # EAGLE-3: row r at TTT step j predicts token r + 2 + j; the step starts at t = r + 2
+            b = _batch(folder, index, T, 1, dev)
+            steps = model.unroll(b["aux"], b["ids"], b["pos"], b["doc"], b["docs"], k)
+            rows = min(T - 2, *(len(s) for s in steps))
+            logits = torch.stack([s[:rows].float() for s in steps], 1)
+            starts = torch.arange(2, 2 + rows)
+        top = logits.topk(2, dim=-1)
+    guess = (top.indices[..., 0] + d2t.to(dev)[top.indices[..., 0]]).cpu()
+    margins = (top.values[..., 0] - top.values[..., 1]).cpu()
+    return _counts(guess, margins, tokens, starts, k)
+
+
+def served_steps(tokens, prompt, served_ids, accepted_per_step, k):
+    """vLLM's verify steps of one request whose k drafts lie inside both its output and the stored sample (the
+    stored answer is the verifier's own, so the two agree until either ends) -> [(t, accepted)], t the sequence
+    position of the step's first drafted token."""
+    same = 0
+    while same < len(served_ids) and prompt + same < len(tokens) and served_ids[same] == tokens[prompt + same]:
+        same += 1
+    out, q = [], 1  # the answer's first token comes from the prefill
+    for accepted in accepted_per_step:
+        if q + k <= same:
+            out.append((prompt + q, accepted))
+        q += accepted + 1
+    return out
+
+
+def compare_steps(pairs, k):
+    """pairs [(served accepted, (predicted, margins), label)] -> the gate's figures: steps, agreeing steps, per-position
+    acceptance served and predicted over the same steps, and every disagreement with its deciding margin (the first
+    drafted position where the two differ), smallest first."""
+    n = len(pairs)
+    agree = sum(a == p for a, (p, _), _ in pairs)
+    ties = sorted(({"step": label, "served": a, "predicted": p, "margin": round(m[min(a, p)], 3)}
+                   for a, (p, m), label in pairs if a != p), key=lambda d: d["margin"])
+    per_pos = lambda f: [round(sum(f(x) > j for x in pairs) / max(n, 1), 4) for j in range(k)]  # noqa: E731
+    return {"steps": n, "agree": agree, "served_per_position": per_pos(lambda x: x[0]),
+            "predicted_per_position": per_pos(lambda x: x[1][0]), "disagreements": ties,
+            "beyond_near_ties": sum(d["margin"] >= NEAR_TIE for d in ties)}
+
+
+def verdict(c):
+    """'' when vLLM accepted what the draft predicts (near-ties aside), else one line naming the likely causes."""
+    if not c["steps"]:
+        return ""
+    gap = max(abs(a - b) for a, b in zip(c["served_per_position"], c["predicted_per_position"]))
+    if c["agree"] >= 0.95 * c["steps"] and gap <= 0.02 or c["beyond_near_ties"] <= 0.01 * c["steps"]:
+        return ""
+    return (f"vLLM accepted otherwise than the draft predicts at {c['steps'] - c['agree']} of {c['steps']} verify steps "
+            f"({c['beyond_near_ties']} beyond near-ties; per position served {c['served_per_position']} vs predicted "
+            f"{c['predicted_per_position']}): likely causes: a draft config vLLM reads otherwise than training used "
+            f"(aux layer ids, EAGLE-3.1 norms, DFlash causality), hidden states from another verifier, dtype or engine "
+            f"version than the one serving, or a chat template other than stage 1's")
 
 
 def verify_walk(predicted, prompt, answer_len, k):
@@ -52,32 +126,7 @@ def verify_walk(predicted, prompt, answer_len, k):
     inside the answer only."""
     steps, q = [], 1
     while q + k <= answer_len:
-        accepted = predicted[prompt + q - 2]
+        accepted = predicted[prompt + q][0]
         steps.append((q, accepted))
         q += accepted + 1
     return steps
-
-
-def predicted_block_accepts(model, d2t, folder, index, tokens):
-    """DFlash: anchor position a -> how many leading drafts of the block anchored at a are right (slot i predicts
-    token a + i). A vLLM verify step whose first drafted token is answer token q anchors at P+q-1 (its last
-    accepted token), with the verifier's states before it as context: the same inputs, so the same count."""
-    from common.train_data import PackedDataset
-    b = PackedDataset(folder, [[index]], len(tokens), shift=0)[0]
-    b = {key: v.float() if torch.is_tensor(v) and v.is_floating_point() else v for key, v in b.items()}
-    bs, T = model.g.block_size, len(tokens)
-    anchors = torch.arange(T - 1)
-    with torch.no_grad():
-        logits = model.block_logits(b["aux"], b["ids"], b["pos"], b["doc"], anchors).view(T - 1, bs, -1)
-    top = logits.argmax(-1)
-    guess = top + d2t[top]
-    tokens = torch.as_tensor(tokens)
-    out = {}
-    for a in range(T - 1):
-        n = 0
-        for i in range(1, bs):
-            if a + i >= T or guess[a, i] != tokens[a + i]:
-                break
-            n += 1
-        out[a] = n
-    return out

@@ -47,7 +47,8 @@ def reference(g, verifier):
 
 
 def geometry(layers=2):
-    return DFlashGeometry(hidden_size=H, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=96,
+    # the shipped Kimi DFlash config's relations: heads x head dim (4 x 24) != hidden (64), GQA, three aux taps
+    return DFlashGeometry(hidden_size=H, num_heads=4, num_kv_heads=2, head_dim=24, intermediate_size=96,
                           num_layers=layers, block_size=BS, rms_norm_eps=1e-6, rope_theta=10000.0,
                           max_position_embeddings=512, verifier_vocab_size=V, draft_vocab_size=VD, num_aux=3,
                           mask_token_id=V - 1)

@@ -319,6 +319,9 @@ def test_printed_serve_command_starts_a_server_that_serves_the_draft(trained, tm
     log = run_script("04_train.py", "--work-dir", trained, *OVERFIT).output  # finished run: prints it again
     command = re.search(r"serve it \(OpenAI-compatible server on port 8000\): (.*)", log).group(1)
     assert shlex.split(command)[:3] == ["python", "-m", "vllm.entrypoints.openai.api_server"]
+    words = shlex.split(command)
+    assert words[words.index("--max-model-len") + 1] == "192"  # the context the draft trained on
+    assert "context: the draft trained on samples of up to 192 tokens (--max-seq-len) with plain RoPE" in log
     port = 8000  # the printed command's own port: run exactly as printed, in a shell, this venv first on PATH
     with socket.socket() as s:
         assert s.connect_ex(("127.0.0.1", port)) != 0, "port 8000 is taken: the printed command cannot start here"
@@ -362,10 +365,15 @@ def test_eagle31_norms_compute_what_speculators_computes(extracted, verifier_dir
     from common.export import export_draft
     from common.models import load_verifier_config
     text_cfg = load_verifier_config(verifier_dir)
-    cfg = SimpleNamespace(draft_num_heads=0, draft_num_kv_heads=0, draft_head_dim=0, draft_intermediate_size=256,
-                          norm_before_residual=True, draft_norms=norms)
+    # fc-norm at the shipped Kimi EAGLE config's relations: heads x head dim (12 x 64) != hidden (576), 4 KV heads,
+    # norm_before_residual false; norm-before-fc at SmolLM2's own (9 x 64, 3 KV heads, norm_before_residual true)
+    kimi = norms == "fc-norm"
+    cfg = SimpleNamespace(draft_num_heads=12 if kimi else 0, draft_num_kv_heads=4 if kimi else 0,
+                          draft_head_dim=64 if kimi else 0, draft_intermediate_size=256,
+                          norm_before_residual=not kimi, draft_norms=norms)
     g = geometry(cfg, text_cfg, 1024, 3)
     assert (g.norm_before_fc, g.fc_norm, g.norm_output) == (norms == "norm-before-fc", norms == "fc-norm", True)
+    assert (g.num_heads * g.head_dim != g.hidden_size, g.norm_before_residual) == (kimi, not kimi)
     torch.manual_seed(0)
     ours = build_model(g, verifier_dir, np.arange(1024))
     with torch.no_grad():  # norms away from their all-ones init, so that a skipped or misplaced norm shows
@@ -378,6 +386,7 @@ def test_eagle31_norms_compute_what_speculators_computes(extracted, verifier_dir
     assert names[norms] in exported
     saved = json.loads((tmp_path / "d" / "config.json").read_text())
     assert (saved["norm_before_fc"], saved["fc_norm"], saved["norm_output"]) == (g.norm_before_fc, g.fc_norm, True)
+    assert saved["norm_before_residual"] is (not kimi)
     ours.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in exported.items()}, strict=False)
     batch = float_batch(extracted / "hidden_states")
     logits, _ = same_as_speculators(speculators_model(tmp_path / "d"), ours, batch)
