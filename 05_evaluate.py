@@ -15,9 +15,9 @@ from pathlib import Path
 
 from common.errors import UsageError, run_main
 from common.evaluate import (acceptance_breakdown, acceptance_row, baseline_key, compare_with_training, derived_rows,
-                             eval_prompts, load_baseline, parity_samples, prompt_categories, run_engine, save_baseline,
-                             save_outputs, save_results, served_vs_predicted, single_note, vocab_coverage)
-from common.parity import verdict
+                             eval_prompts, load_baseline, prompt_categories, run_engine, save_baseline, save_outputs,
+                             save_results, single_note, vocab_coverage)
+from common.parity import parity_samples, served_vs_predicted, verdict
 from common.export import check_exported_draft, draft_method
 from common.io import read_manifest, write_manifest
 from common.models import load_tokenizer, open_verifier
@@ -76,7 +76,9 @@ def main():
     if not prompts:
         raise UsageError(f"every prompt is longer than --max-seq-len - --max-new-tokens = {room} tokens")
     if skipped:
-        log.info("skipped %d prompts longer than %d tokens", skipped, room)
+        log.info("skipped %d prompts longer than %d tokens (--max-seq-len %d - --max-new-tokens %d; raise "
+                 "--max-seq-len for long prompts, up to the verifier's context)", skipped, room, cfg.max_seq_len,
+                 cfg.max_new_tokens)
     t0 = time.time()
     key = baseline_key(model_dir, cfg, prompts)
     reused = load_baseline(out, key)

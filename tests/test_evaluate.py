@@ -95,3 +95,37 @@ def test_a_saved_baseline_is_reused_only_for_the_same_verifier_prompts_and_setti
     assert all(load_baseline(tmp_path, k) is None for k in changed)
     (tmp_path / "baseline.json").write_text("{half written")
     assert load_baseline(tmp_path, key) is None  # a damaged file decodes again
+
+
+def test_long_prompts_put_each_question_after_four_thousand_tokens_of_conversation(tokenizer):
+    """mtbench-long: every MT-bench first turn alone (short) and after the same ~4.5K tokens of earlier ShareGPT
+    conversation (long), interleaved, so that --eval-limit keeps pairs; room for 256 new tokens in SmolLM2's 8K."""
+    from common.evaluate import eval_prompts
+    items = eval_prompts("mtbench-long", 0)
+    cats = prompt_categories("mtbench-long")
+    assert len(items) == 160 and [cats[ref] for ref, _ in items[:4]] == ["short", "long", "short", "long"]
+    short, long = items[0][1], items[1][1]
+    assert long[-1] == short[-1] and [m["role"] for m in long[:2]] == ["user", "assistant"]
+    n = len(tokenizer.apply_chat_template(long, add_generation_prompt=True, tokenize=True, return_dict=False))
+    assert 4096 <= n <= 8192 - 256, n
+
+
+def test_served_steps_are_compared_where_both_sequences_agree():
+    """A verify step counts when its k drafts lie inside the prefix the served output shares with the stored
+    answer; each disagreement is listed with the draft's margin at the first position where the two differ."""
+    from common.parity import NEAR_TIE, compare_steps, served_steps, verdict
+    tokens = list(range(100, 120))  # prompt of 5 tokens, answer 15
+    served = tokens[5:15] + [7, 7]  # the same for 10 tokens, then other tokens
+    # steps start at answer positions 1, 3 (1 + 1 + 1), 4, 7 (4 + 2 + 1), 10: the last one's drafts lie past the
+    # shared prefix; a step at answer position q drafts sequence position t = 5 + q first
+    assert served_steps(tokens, 5, served, [1, 0, 2, 2, 0], 2) == [(6, 1), (8, 0), (9, 2), (12, 2)]
+    predicted = {6: (1, [3.0, 0.2]), 8: (1, [0.3, 2.0]), 9: (2, [2.5, 1.5])}
+    pairs = [(a, predicted[t], f"x@{t - 5}") for t, a in [(6, 1), (8, 0), (9, 2)]]
+    c = compare_steps(pairs, 2)
+    assert (c["steps"], c["agree"]) == (3, 2) and c["served_per_position"] == [0.6667, 0.3333]
+    assert c["predicted_per_position"] == [1.0, 0.3333] and c["beyond_near_ties"] == 0
+    assert c["disagreements"] == [{"step": "x@3", "served": 0, "predicted": 1, "margin": 0.3}]
+    assert verdict(c) == ""  # 2 of 3 agree, but the one flip is a near-tie
+    pairs[0] = (0, (1, [NEAR_TIE + 2, 0.1]), "x@1")  # a confident prediction vLLM did not accept
+    bad = compare_steps(pairs, 2)
+    assert bad["beyond_near_ties"] == 1 and "likely causes" in verdict(bad)
