@@ -114,3 +114,51 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())) or item.path.name in SLOW_FILES:
             item.add_marker(pytest.mark.slow)
+
+
+REHEARSED = ["--max-seq-len", 512, "--max-new-tokens", 32, "--max-tokens-per-step", 512, "--grad-accum", 1,
+             "--val-fraction", 0.2, "--eval-limit", 2]  # what run_pipeline.sh --rehearse sets for stages 4-5
+
+
+def train_longer_and_serve(rehearsal, dest, config, args, env=None, steps=24):
+    """A rehearsal trains its draft 2 steps: too few to accept anything, so a served acceptance of 0 would pass.
+    Its stages 1-3 again with `steps` steps (lr 2e-3, short warm-up), then stage 5 (the rehearsal's baseline
+    decoding reused) -> stage 5's row of the largest k."""
+    import shutil
+    for sub in ("prepared", "hidden_states", "vocab"):
+        shutil.copytree(rehearsal / sub, dest / sub)
+    (dest / "eval").mkdir()
+    shutil.copy(rehearsal / "eval" / "baseline.json", dest / "eval")
+    common = ["--config", config, "--work-dir", dest, *[a for a in args if a != "--rehearse"], *REHEARSED]
+    run_script("04_train.py", *common, "--epochs", steps, "--max-steps", steps, "--lr", 2e-3, "--warmup-steps", 3,
+               "--save-every", 0, env=env, check=True)
+    proc = run_script("05_evaluate.py", *common, env=env, check=True)
+    assert "baseline: reused" in proc.output
+    return max(json.loads((dest / "eval" / "acceptance.json").read_text())["results"],
+               key=lambda r: r["num_speculative_tokens"])
+
+
+def greedy_gaps(folder, work, k):
+    """How far below the verifier's top choice (fp32 transformers, teacher-forced on each output) the worst token of
+    stage 5's plain and speculative outputs sits: {"baseline_ids": logits, "k{k}_ids": logits}. A random-weight
+    miniature's greedy path crosses near-ties every few tokens, so plain decoding, verification batches and
+    transformers may part at one (gaps of 0.03-3 logits); a token that is not the verifier's choice sits ~30 below."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+    from common.evaluate import eval_prompts
+    from common.models import load_tokenizer
+    tok = load_tokenizer(folder)
+    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+    rows = [json.loads(line) for line in (work / "eval" / "outputs.jsonl").read_text().splitlines()]
+    prompts = dict(eval_prompts("mtbench", len(rows)))
+    worst = {"baseline_ids": 0.0, f"k{k}_ids": 0.0}
+    for row in rows:
+        prompt = tok.apply_chat_template(prompts[row["id"]], add_generation_prompt=True, tokenize=True,
+                                         return_dict=False)
+        for key in worst:
+            out = row[key]
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([prompt + out])).logits[0, len(prompt) - 1:-1]
+            gap = (logits.max(-1).values - logits.gather(-1, torch.tensor(out)[:, None])[:, 0]).max().item()
+            worst[key] = max(worst[key], gap)
+    return worst

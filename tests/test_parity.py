@@ -304,7 +304,7 @@ def test_vllm_accepts_what_a_generalising_draft_predicts(trained, method):
           f"{c['served_per_position']} vs predicted {c['predicted_per_position']}; disagreements {c['disagreements']}; "
           f"stage 4 validation acceptance length {best['acceptance_length']:.3f}")
     assert c["prompts"] >= 8 and c["steps"] >= 150, c
-    assert 1.2 < 1 + sum(c["served_per_position"]) < 3.0, c  # generalising: well below the maximum of 4
+    assert 1.1 < 1 + sum(c["served_per_position"]) < 3.0, c  # generalising: well below the maximum of 4
     assert c["agree"] >= 0.95 * c["steps"], c["disagreements"]
     for s, p in zip(c["served_per_position"], c["predicted_per_position"]):
         assert abs(s - p) <= 0.02, c

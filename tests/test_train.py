@@ -142,6 +142,19 @@ def test_evaluate_on_the_validation_samples_puts_vllm_beside_training(trained):
     assert "on the validation samples: vLLM acceptance length" in proc.output
 
 
+def test_long_prompts_are_measured_beside_short_ones(trained):
+    """--eval-dataset mtbench-long: a question alone and after ~4.7K tokens of earlier conversation (past the 192
+    tokens this draft trained on), acceptance by category short / long."""
+    args = ["--work-dir", trained, "--eval-dataset", "mtbench-long", "--eval-limit", 2, "--max-new-tokens", 16,
+            "--dtype", "float32", "--latency-prompts", 0, "--parity-prompts", 0]
+    proc = run_script("05_evaluate.py", *args, "--max-seq-len", 5120, check=True)
+    row = json.loads((trained / "eval" / "acceptance.json").read_text())["results"][0]
+    assert row["prompts"] == 2 and row["outputs_equal_baseline"] == 2
+    table = row["breakdown"]["by_category"]
+    assert sorted(table) == ["long", "short"] and all(v["drafts"] > 0 for v in table.values()), table
+    assert "by prompt category" in (trained / "eval" / "acceptance.md").read_text() and "k=3 by category: long" in proc.output
+
+
 def test_sigkill_resume_matches_uninterrupted(extracted, tmp_path):
     args = [*VOCAB, "--epochs", 4, "--max-tokens-per-step", 256, "--num-workers", 0, "--val-fraction", 0.5,
             "--save-every", 2, "--keep-last", 3, "--log-interval", 0, "--lr", 1e-3, "--max-seq-len", 192]
