@@ -112,7 +112,7 @@ def verdict(c):
     if not c["steps"]:
         return ""
     gap = max(abs(a - b) for a, b in zip(c["served_per_position"], c["predicted_per_position"]))
-    if c["agree"] >= 0.95 * c["steps"] and gap <= 0.02 or c["beyond_near_ties"] <= 0.01 * c["steps"]:
+    if c["agree"] >= 0.95 * c["steps"] and gap <= 0.02 and c["beyond_near_ties"] <= 0.01 * c["steps"]:
         return ""
     return (f"vLLM accepted otherwise than the draft predicts at {c['steps'] - c['agree']} of {c['steps']} verify steps "
             f"({c['beyond_near_ties']} beyond near-ties; per position served {c['served_per_position']} vs predicted "

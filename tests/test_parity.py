@@ -238,7 +238,7 @@ def test_vllm_accepts_what_the_dflash_draft_predicts(regenerated):
 # check (common/parity.py) is the gate: vLLM's accepted count at every verify step against the draft's prediction.
 WIDE = ["--max-seq-len", SEQ, "--dtype", "float32", "--max-new-tokens", 64, "--temperature", 0]
 # heads x head dim != hidden (576), fewer KV heads than heads: the Kimi configs' relations at SmolLM2 width
-TRAIN = [*WIDE, "--draft-vocab-size", 2048, "--draft-intermediate-size", 256, "--epochs", 60, "--max-steps", 200,
+TRAIN = [*WIDE, "--draft-vocab-size", 1024, "--draft-intermediate-size", 256, "--epochs", 60, "--max-steps", 150,
          "--max-tokens-per-step", 256, "--num-workers", 0, "--val-fraction", 0.25, "--lr", 1e-3, "--warmup-steps", 20,
          "--keep-last", 1, "--amp", "off", "--log-interval", 0, "--save-every", 0]
 GENERALISING = {
@@ -263,7 +263,7 @@ def held_out(tmp_path_factory):
                "--regenerate-chunk", 48, check=True)
     run_script("02_extract_hidden_states.py", "--work-dir", work, *WIDE, "--max-tokens-per-batch", 2048,
                "--self-check-samples", 2, check=True)
-    run_script("03_build_vocab_mapping.py", "--work-dir", work, "--draft-vocab-size", 2048, check=True)
+    run_script("03_build_vocab_mapping.py", "--work-dir", work, "--draft-vocab-size", 1024, check=True)
     return work
 
 
@@ -304,7 +304,8 @@ def test_vllm_accepts_what_a_generalising_draft_predicts(trained, method):
           f"{c['served_per_position']} vs predicted {c['predicted_per_position']}; disagreements {c['disagreements']}; "
           f"stage 4 validation acceptance length {best['acceptance_length']:.3f}")
     assert c["prompts"] >= 8 and c["steps"] >= 150, c
-    assert 1.1 < 1 + sum(c["served_per_position"]) < 3.0, c  # generalising: well below the maximum of 4
+    # generalising: well below the maximum of 4 (1.10-1.24 measured: 36 training samples), yet not nothing
+    assert 1.05 < 1 + sum(c["served_per_position"]) < 3.0, c
     assert c["agree"] >= 0.95 * c["steps"], c["disagreements"]
     for s, p in zip(c["served_per_position"], c["predicted_per_position"]):
         assert abs(s - p) <= 0.02, c
@@ -315,22 +316,24 @@ def test_vllm_accepts_what_a_generalising_draft_predicts(trained, method):
 
 
 def test_the_gate_fails_a_draft_served_otherwise_than_trained(trained):
-    """The EAGLE-3.1 draft's config edited as an export bug would (norm_before_residual flipped): stage 5 refuses it
-    before any load; served anyway (EAGLE3_SERVE_AS_EXPORTED=1), its verify steps no longer match the prediction,
-    and stage 5 says so in one line."""
+    """The EAGLE-3.1 draft's config edited as the commonest export bug would have it: aux ids in "output of layer"
+    numbering ([1, 14, 26] for the [2, 15, 27] it trained on). Stage 5 refuses it before any load; served anyway
+    (EAGLE3_SERVE_AS_EXPORTED=1), vLLM feeds it other layers, its verify steps part from the prediction beyond
+    near-ties, and stage 5 says so in one line. (A flipped norm_before_residual was tried first: on this draft it
+    moved 12 of 403 steps, each at a logit margin below 0.7, so vLLM then accepts what training predicts, near-ties
+    aside: not a served difference the gate should fail.)"""
     work = trained("eagle3.1")
     path = work / "final_draft" / "config.json"
     original = path.read_text()
     try:
-        path.write_text(json.dumps(dict(json.loads(original), norm_before_residual=False)))
+        path.write_text(json.dumps(dict(json.loads(original), eagle_aux_hidden_state_layer_ids=[1, 14, 26])))
         proc = run_script("05_evaluate.py", "--work-dir", work, *GATE, *GENERALISING["eagle3.1"])
-        assert proc.returncode == 2 and "norm_before_residual: trained True, vLLM reads False" in proc.stderr
+        assert proc.returncode == 2 and "aux_layer_ids: trained [2, 15, 27], vLLM reads [1, 14, 26]" in proc.stderr
         assert "vLLM engine ready" not in proc.output
         c, log = served_check(work, "eagle3.1", env={"EAGLE3_SERVE_AS_EXPORTED": "1"})
     finally:
         path.write_text(original)
-    print(f"norm_before_residual flipped: {c['agree']}/{c['steps']} as predicted, {c['beyond_near_ties']} beyond "
-          f"near-ties; served {c['served_per_position']} vs predicted {c['predicted_per_position']}")
-    assert c["agree"] < 0.95 * c["steps"] or max(
-        abs(s - p) for s, p in zip(c["served_per_position"], c["predicted_per_position"])) > 0.02, c
+    print(f"aux ids off by one: {c['agree']}/{c['steps']} as predicted, {c['beyond_near_ties']} beyond near-ties; "
+          f"served {c['served_per_position']} vs predicted {c['predicted_per_position']}")
+    assert c["beyond_near_ties"] > 0.01 * c["steps"], c
     assert "accepted otherwise than the draft predicts" in log and "likely causes" in log
