@@ -141,8 +141,9 @@ def test_the_shipped_kimi_dflash_config_trains_and_serves_a_block_draft(dflash_r
 
 
 # accepted tokens of the drafts below on the rehearsal's 2 MT-bench prompts, measured 2026-12-03 (AMD EPYC, AVX2):
-# EAGLE-3 FLOOR_EAGLE3_MEASURED, DFlash FLOOR_DFLASH_MEASURED; the floors are half of that
-FLOORS = {"eagle3": 1, "dflash": 1}
+# EAGLE-3 26 of 36 drafts, DFlash 26 of 36 blocks (random-weight verifier: it repeats itself, which a draft learns);
+# the floors are half of that
+FLOORS = {"eagle3": 13, "dflash": 13}
 
 
 @pytest.mark.parametrize("method", ["eagle3", "dflash"])
