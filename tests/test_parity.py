@@ -55,20 +55,21 @@ def regenerated(tmp_path_factory, verifier_dir):
     return work
 
 
+def train_on(data, name, *args):
+    """Stages 1-3's folders of `data` copied to a sibling `name`, stage 4 run there with args (once: a finished run's
+    manifest is kept) -> the work dir."""
+    work = data.with_name(name)
+    if not (work / "train" / "manifest.json").is_file():
+        for sub in ("prepared", "hidden_states", "vocab"):
+            shutil.copytree(data / sub, work / sub, dirs_exist_ok=True)
+        run_script("04_train.py", "--work-dir", work, *args, check=True)
+    return work
+
+
 @pytest.fixture(scope="module")
 def memorise(regenerated):
-    """norms -> a work dir whose draft memorised the samples (trained once per variant)."""
-    done = {}
-
-    def get(norms):
-        if norms not in done:
-            work = regenerated.with_name(norms)
-            for sub in ("prepared", "hidden_states", "vocab"):
-                shutil.copytree(regenerated / sub, work / sub)
-            run_script("04_train.py", "--work-dir", work, *MEMORISE, "--draft-norms", norms, check=True)
-            done[norms] = work
-        return done[norms]
-    return get
+    """norms -> a work dir whose draft memorised the samples."""
+    return lambda norms: train_on(regenerated, norms, *MEMORISE, "--draft-norms", norms)
 
 
 def export(work, norms, fmt):
@@ -210,10 +211,7 @@ def test_vllm_accepts_what_the_dflash_draft_predicts(regenerated):
     from common.parity import load_exported_draft
     from common.prepare import load_prepared
     from common.train_data import make_loader, pack, to_device
-    work = regenerated.with_name("dflash")
-    for sub in ("prepared", "hidden_states", "vocab"):
-        shutil.copytree(regenerated / sub, work / sub)
-    run_script("04_train.py", "--work-dir", work, *DFLASH, check=True)
+    work = train_on(regenerated, "dflash", *DFLASH)
     evaluate(work, "--draft-method", "dflash")
     row = json.loads((work / "eval" / "acceptance.json").read_text())["results"][0]
     prompts = row["prompts"]
@@ -269,18 +267,8 @@ def held_out(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def trained(held_out):
-    """method -> a work dir whose draft trained normally (once per method)."""
-    done = {}
-
-    def get(method):
-        if method not in done:
-            work = held_out.with_name(method)
-            for sub in ("prepared", "hidden_states", "vocab"):
-                shutil.copytree(held_out / sub, work / sub)
-            run_script("04_train.py", "--work-dir", work, *TRAIN, *GENERALISING[method], check=True)
-            done[method] = work
-        return done[method]
-    return get
+    """method -> a work dir whose draft trained normally."""
+    return lambda method: train_on(held_out, method, *TRAIN, *GENERALISING[method])
 
 
 def served_check(work, method, env=None):
