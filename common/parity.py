@@ -14,7 +14,9 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-NEAR_TIE = 1.0  # logits between our draft's top two tokens below which a flip is numerics (bf16 states), not a defect
+# logits between our draft's top two tokens below which a flip may be numerics (bf16 stored states against vLLM's
+# fp32): the flips of correct exports measured 0.003 (docs/parity.md); an off-by-one aux id parts at up to 1.6
+NEAR_TIE = 0.5
 
 
 def load_exported_draft(work, device="cpu"):
@@ -179,5 +181,6 @@ def parity_table(r, c):
     if c["disagreements"]:
         shown = ", ".join(f"{d['step']} vLLM {d['served']} / predicted {d['predicted']} (margin {d['margin']:.2f})"
                           for d in c["disagreements"][:12])
-        lines += ["", f"Disagreements, smallest logit margin first ({c['beyond_near_ties']} at a margin >= 1): {shown}"]
+        lines += ["", f"Disagreements, smallest logit margin first ({c['beyond_near_ties']} at a margin >= {NEAR_TIE}): "
+                      f"{shown}"]
     return lines

@@ -323,5 +323,6 @@ def test_the_gate_fails_a_draft_served_otherwise_than_trained(trained):
         path.write_text(original)
     print(f"aux ids off by one: {c['agree']}/{c['steps']} as predicted, {c['beyond_near_ties']} beyond near-ties; "
           f"served {c['served_per_position']} vs predicted {c['predicted_per_position']}")
-    assert c["beyond_near_ties"] > 0.01 * c["steps"], c
+    # measured: 390 of 418 steps as predicted, per position 0.136 / 0.026 / 0.007 served against 0.170 / 0.031 / 0.010
+    assert c["agree"] < 0.95 * c["steps"] and c["beyond_near_ties"] > 0.01 * c["steps"], c
     assert "accepted otherwise than the draft predicts" in log and "likely causes" in log
