@@ -240,7 +240,7 @@ class Trainer:
             loader = make_loader(self.folder, bins[st["seq"] + self.rank::self.world], cfg.max_tokens_per_step, cfg.num_workers,
                                  pin=self.device.type == "cuda", embed=self.host_embed, shift=self.shift)
             micro = 0
-            step_sums = {}
+            step_sums, losses = {}, []
             t_step = time.time()
             for batch in self._waited(loader):
                 batch = to_device(batch, self.device, self.dtype)
@@ -249,6 +249,7 @@ class Trainer:
                 with autocast(self.device, self.bf16):
                     loss, metrics = self.parallel_model(batch, *self.loss_args)
                 (loss / self.grad_accum).backward()
+                losses.append(loss.detach())
                 accumulate(step_sums, metrics)
                 st["seq"] += self.world  # the ranks move through the epoch together
                 micro += 1
@@ -257,9 +258,9 @@ class Trainer:
                 # the global step's tokens (every rank's sequences), from the plan: no communication
                 step_tokens = sum(self._bin_tokens(b) for b in bins[st["seq"] - self.grad_accum * self.world:st["seq"]])
                 window["tokens"] += step_tokens
-                self._optimizer_step()
+                self._optimizer_step(losses, bins[st["seq"] - self.grad_accum * self.world:st["seq"]])
                 merge_sums(window["sums"], global_sums(step_sums, self.device, self.world))
-                step_sums = {}
+                step_sums, losses = {}, []
                 st["step"] += 1
                 st["tokens"] += step_tokens
                 step_time = time.time() - t_step
@@ -307,11 +308,29 @@ class Trainer:
                 return
             yield batch
 
-    def _optimizer_step(self):
-        torch.nn.utils.clip_grad_norm_(self.model.trainable_parameters(), self.cfg.grad_clip)
+    def _optimizer_step(self, losses, sequences):
+        norm = torch.nn.utils.clip_grad_norm_(self.model.trainable_parameters(), self.cfg.grad_clip)
+        if not torch.isfinite(norm):  # one sync a step; an update with it would leave every weight NaN
+            self._not_finite(losses, sequences)
         self.opt.step()
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)
+
+    def _not_finite(self, losses, sequences):
+        """Stop before the optimizer step, in one line naming the step and the first tensor that is not finite; the
+        checkpoints already written (the last one finite) are kept."""
+        step = self.state["step"] + 1
+        samples = sorted({i for b in sequences for i in b})
+        if not torch.isfinite(torch.stack(losses)).all():
+            what = "the loss"
+        else:
+            what = next((f"the gradient of {name}" for name, p in self.model.named_parameters()
+                         if p.grad is not None and not torch.isfinite(p.grad).all()), "a gradient (another rank's shard)")
+        kept = latest_checkpoint(self.ckpt_dir)
+        raise UsageError(f"step {step}: {what} is not finite (samples {samples[:8]}{' ...' if len(samples) > 8 else ''}"
+                         f"); stopped before the update, {f'checkpoint {kept.name} kept' if kept else 'no checkpoint yet'}"
+                         f"; lower --lr (now {self.cfg.lr:g}) or raise --warmup-steps, or check those samples' hidden "
+                         f"states (stage 2's self-check)")
 
     def _log_train(self, window, step_time):
         st = self.state

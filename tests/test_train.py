@@ -3,6 +3,7 @@ EAGLE-3.1), the printed serve command, and the Kimi-K2.5 export geometry. Servin
 with train-serve parity: test_parity.py."""
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -463,6 +464,22 @@ def test_a_file_that_fails_mid_training_stops_the_stage_in_one_line(extracted, t
     msg = str(err.value)
     assert "\n" not in msg and msg.startswith(f"{hs / 'hs_3.safetensors'} cannot be read mid-training"), msg
     assert "training resumes from its last checkpoint" in msg
+
+
+def test_a_loss_that_is_not_finite_stops_training_in_one_line_keeping_the_checkpoints(trained, tmp_path):
+    """A learning rate that blows the weights up (z-lab/dflash #115: NaN norms at step ~240 at lr 6e-4): the first step
+    whose loss or gradient is not finite stops before its update, in one line naming the step, the tensor and the
+    samples; the checkpoints written before it stay."""
+    work = copy_work(trained, tmp_path / "w")
+    proc = run_script("04_train.py", "--work-dir", work, *OVERFIT, "--lr", 1e30, "--warmup-steps", 0, "--save-every", 1,
+                      "--keep-last", 3, "--epochs", 3)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2 and "Traceback" not in proc.output, proc.output[-2000:]
+    m = re.match(r"error: step (\d+): (the loss|the gradient of \S+) is not finite \(samples \[[\d, ]+\]\); stopped "
+                 r"before the update, checkpoint step_(\d+) kept; lower --lr \(now 1e\+30\)", last)
+    assert m and int(m.group(3)) == int(m.group(1)) - 1, last
+    assert (work / "train" / "checkpoints" / f"step_{m.group(3)}" / "state.pt").is_file()
+    assert not (work / "final_draft").exists()
 
 
 def test_a_damaged_exported_draft_is_refused_before_an_engine_starts(trained, tmp_path):
