@@ -18,7 +18,7 @@ from conftest import ROOT, greedy_gaps, run_script
 CONFIG = "configs/kimi-k2.5-mini.yaml"
 # 12 samples pack into one sequence: a step an epoch; 20 at lr 2e-3 train a draft that vLLM accepts
 ARGS = ["--num-samples", 12, "--epochs", 20, "--lr", 2e-3, "--warmup-steps", 3, "--eval-limit", 4]
-FLOOR = 1  # accepted tokens on the 4 prompts: half of FLOOR_MINI_MEASURED, measured 2026-12-03 (AMD EPYC, AVX2)
+FLOOR = 40  # accepted tokens on the 4 prompts: half of the 80 (of 176 drafts) measured 2026-12-03 (AMD EPYC, AVX2)
 
 
 @pytest.fixture(scope="module")
