@@ -159,7 +159,7 @@ def finish(cfg, log, model, g, layer_ids, model_dir, text_cfg, state, val_rows, 
                  " / ".join(f"{best_val[f'cond_acc_{i}']:.3f}" for i in range(k)), best_val["acceptance_length"])
     log.info("context: the draft trained on samples of up to %d tokens (--max-seq-len) with plain RoPE at theta %g; "
              "the serve command below caps --max-model-len there (raise it knowingly: acceptance past the trained "
-             "context is unmeasured; 05_evaluate.py --eval-dataset FILE.jsonl with long prompts measures it)",
+             "context is unmeasured: 05_evaluate.py --eval-dataset mtbench-long, or a JSONL of long prompts)",
              cfg.max_seq_len, g.rope_theta)
     log.info("serve it (OpenAI-compatible server on port 8000): %s", serve_command(model_dir, final, cfg))
     return 0

@@ -161,8 +161,9 @@ def parity_check(work, checks, checked, k, train_man, row, log):
     log.info("k=%d served vs trained on %d held-out samples: vLLM accepted what the draft predicts at %d of %d verify "
              "steps; per position vLLM %s, predicted %s (%.1f s)", k, c["prompts"], c["agree"], c["steps"],
              c["served_per_position"], c["predicted_per_position"], time.time() - t0)
-    if verdict(c):
-        log.warning("k=%d: %s", k, verdict(c))
+    why = verdict(c)
+    if why:
+        log.warning("k=%d: %s", k, why)
 
 
 if __name__ == "__main__":

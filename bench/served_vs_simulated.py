@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.parity import load_exported_draft, predictions, verify_walk  # noqa: E402
+from common.parity import load_exported_draft, predictions, served_steps, verify_walk  # noqa: E402
 from common.prepare import DATASET_ANSWER, load_prepared  # noqa: E402
 
 
@@ -52,13 +52,11 @@ def main():
         if out and out[f"k{k}_ids"] == rec["input_ids"][prompt:prompt + len(out[f"k{k}_ids"])]:
             n_served += 1
             walk_served += verify_walk(predicted, prompt, len(out[f"k{k}_ids"]), k)
-            q = 1
-            for accepted in out[f"k{k}_accepted_per_step"]:
-                if q + k <= len(out[f"k{k}_ids"]):
-                    vllm.append((q, accepted))
-                    agree += accepted == predicted[prompt + q][0]
-                    compared += 1
-                q += accepted + 1
+            ids, steps = out[f"k{k}_ids"], out[f"k{k}_accepted_per_step"]
+            for t, accepted in served_steps(rec["input_ids"], prompt, ids, steps, k):
+                vllm.append((t - prompt, accepted))
+                agree += accepted == predicted[t][0]
+                compared += 1
     print(f"{samples} held-out samples with the verifier's own answers, k={k}, hidden states from {folder}")
     print(f"every position (training's way): acceptance length {acceptance_length(every):.3f} over {len(every)} positions")
     print(f"verify walk (where vLLM's steps start): {acceptance_length(walk):.3f} over {len(walk)} steps")

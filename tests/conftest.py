@@ -56,6 +56,15 @@ def sigterm_and_wait(proc, timeout):
     return left
 
 
+def copy_work(src, dst):
+    """Stages 1-3's folders of work dir `src` (those it has) copied into `dst` -> dst."""
+    import shutil
+    for sub in ("prepared", "hidden_states", "vocab"):
+        if (src / sub).exists():
+            shutil.copytree(src / sub, dst / sub, dirs_exist_ok=True)
+    return dst
+
+
 def write_jsonl(path, rows):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -125,8 +134,7 @@ def train_longer_and_serve(rehearsal, dest, config, args, env=None, steps=24):
     Its stages 1-3 again with `steps` steps (lr 2e-3, short warm-up), then stage 5 (the rehearsal's baseline
     decoding reused) -> stage 5's row of the largest k."""
     import shutil
-    for sub in ("prepared", "hidden_states", "vocab"):
-        shutil.copytree(rehearsal / sub, dest / sub)
+    copy_work(rehearsal, dest)
     (dest / "eval").mkdir()
     shutil.copy(rehearsal / "eval" / "baseline.json", dest / "eval")
     common = ["--config", config, "--work-dir", dest, *[a for a in args if a != "--rehearse"], *REHEARSED]

@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import load_file
 
 from common.parity import load_exported_draft, predictions
-from conftest import run_script
+from conftest import copy_work, run_script
 
 N_PROMPTS, NEW_TOKENS, SEQ, K = 6, 48, 224, 3
 COMMON = ["--max-seq-len", SEQ, "--dtype", "float32", "--max-new-tokens", NEW_TOKENS, "--temperature", 0]
@@ -60,8 +60,7 @@ def train_on(data, name, *args):
     manifest is kept) -> the work dir."""
     work = data.with_name(name)
     if not (work / "train" / "manifest.json").is_file():
-        for sub in ("prepared", "hidden_states", "vocab"):
-            shutil.copytree(data / sub, work / sub, dirs_exist_ok=True)
+        copy_work(data, work)
         run_script("04_train.py", "--work-dir", work, *args, check=True)
     return work
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, run_script
+from conftest import ROOT, copy_work, run_script
 
 VOCAB = ["--draft-vocab-size", 1024]
 # fp32 (--amp off): the capacity check; bf16 memorises the same data less exactly in 60 epochs (mean
@@ -24,13 +24,6 @@ VOCAB = ["--draft-vocab-size", 1024]
 OVERFIT = [*VOCAB, "--epochs", 60, "--max-tokens-per-step", 256, "--num-workers", 0, "--val-fraction", 0.5,
            "--lr", 3e-3, "--warmup-steps", 10, "--keep-last", 1, "--dtype", "float32", "--max-seq-len", 192,
            "--amp", "off", "--log-interval", 0]
-
-
-def copy_work(src, dst):
-    for sub in ("prepared", "hidden_states", "vocab"):
-        if (src / sub).exists():
-            shutil.copytree(src / sub, dst / sub)
-    return dst
 
 
 @pytest.fixture(scope="module")
