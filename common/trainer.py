@@ -258,7 +258,8 @@ class Trainer:
                 # the global step's tokens (every rank's sequences), from the plan: no communication
                 step_tokens = sum(self._bin_tokens(b) for b in bins[st["seq"] - self.grad_accum * self.world:st["seq"]])
                 window["tokens"] += step_tokens
-                self._optimizer_step(losses, bins[st["seq"] - self.grad_accum * self.world:st["seq"]])
+                norm = self._optimizer_step(losses, bins[st["seq"] - self.grad_accum * self.world:st["seq"]])
+                window["grad_norm"] = max(window["grad_norm"], norm)
                 merge_sums(window["sums"], global_sums(step_sums, self.device, self.world))
                 step_sums, losses = {}, []
                 st["step"] += 1
@@ -292,7 +293,7 @@ class Trainer:
 
     def _window(self):
         return {"tokens": 0, "t": time.time(), "sums": {}, "wait": self.data_wait, "epoch": self.state["epoch"],
-                "seq": self.state["seq"]}
+                "seq": self.state["seq"], "grad_norm": 0.0}
 
     def _waited(self, loader):
         """The loader's batches; the seconds spent blocked on each add to self.data_wait."""
@@ -315,6 +316,7 @@ class Trainer:
         self.opt.step()
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)
+        return norm.item()  # the sync isfinite already made
 
     def _not_finite(self, losses, sequences):
         """Stop before the optimizer step, in one line naming the step and the first tensor that is not finite; the
@@ -341,13 +343,14 @@ class Trainer:
         row = {"kind": "train", "step": st["step"], "epoch": st["epoch"], "lr": self.sched.get_last_lr()[0],
                "tokens_per_s": round(tps, 1), "step_time_s": round(step_time, 3), "data_wait": round(wait, 3),
                "peak_mem_gb": round(peak_memory_gb(self.device), 2), "tokens": st["tokens"],
-               "train_seconds": round(st["train_seconds"], 3),
+               "train_seconds": round(st["train_seconds"], 3), "grad_norm_max": round(window["grad_norm"], 4),
                # the epoch's packed sequences these steps consumed (all ranks): the data position, for a resume's audit
                "sequences": [window["seq"] if window["epoch"] == st["epoch"] else 0, st["seq"]], **s}
         self._write_metrics(row)
         remaining = (self.total_steps - st["step"]) * (st["train_seconds"] / max(st["step"], 1))
-        self.log.info("step %d/%d epoch %d | loss %s | acc %s | lr %.2e | %.0f tok/s | %.2fs/step | data wait %.0f%% | "
-                      "peak %.2f GB | ETA %s", st["step"], self.total_steps, st["epoch"] + 1,
+        # grad norm: the largest of the window's steps, before clipping (a spike shows before a loss does)
+        self.log.info("step %d/%d epoch %d | loss %s | acc %s | grad norm %.3g | lr %.2e | %.0f tok/s | %.2fs/step | "
+                      "data wait %.0f%% | peak %.2f GB | ETA %s", st["step"], self.total_steps, st["epoch"] + 1,
                       " / ".join(f"{s[f'loss_{k}']:.3f}" for k in range(self.positions)),
                       " / ".join(f"{s[f'full_acc_{k}']:.3f}" for k in range(self.positions)),
-                      row["lr"], tps, step_time, 100 * wait, row["peak_mem_gb"], fmt_duration(remaining))
+                      window["grad_norm"], row["lr"], tps, step_time, 100 * wait, row["peak_mem_gb"], fmt_duration(remaining))

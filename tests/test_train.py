@@ -39,6 +39,8 @@ def test_overfits_a_few_samples(trained):
     train = [r for r in rows if r["kind"] == "train"]
     last_epoch = [r for r in train if r["epoch"] == train[-1]["epoch"]]  # one row per step (--log-interval 0)
     assert sum(r["full_acc_0"] for r in last_epoch) / len(last_epoch) >= 0.9, last_epoch
+    # each row carries its step's gradient norm before clipping; memorising, it falls from the first steps' size
+    assert all(r["grad_norm_max"] > 0 for r in train) and train[-1]["grad_norm_max"] < train[0]["grad_norm_max"], train
     last = train[-1]
     man = json.loads((trained / "train" / "manifest.json").read_text())
     best = man["best_validation"]
