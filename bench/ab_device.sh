@@ -17,5 +17,8 @@ mapfile -t variants < "${1:?VARIANTS_FILE}"
 # stages 2-4 within the call's limit, so that the packing below always runs (unfinished variants are left out)
 PY=python3 timeout "${AB_LIMIT:-500}" bench/gpu_ab.sh "$W" configs/smollm2-135m.yaml 234 "${variants[@]}" 2>&1 | tail -60
 python3 bench/draft_transport.py pack "$OUT" $(ls -d "$W"-*/final_draft 2>/dev/null | xargs -r -n1 dirname)
+# the held-out samples' states stage 5's served-vs-trained check reads here (the same split for every variant)
+first=$(ls -d "$W"-*/train/manifest.json 2>/dev/null | head -1 | xargs -r dirname | xargs -r dirname)
+[[ -n $first ]] && python3 bench/draft_transport.py states "$OUT" "$first" "${PARITY_PROMPTS:-8}"
 tar czf "$OUT/logs.tgz" "$W"-*.log "$W"/logs "$W"/hidden_states/manifest.json "$W"/vocab/manifest.json 2>/dev/null
 ls -la "$OUT"

@@ -6,6 +6,8 @@ verifier's own embedding here and checks the head's SHA-256 against the one pack
 
   python bench/draft_transport.py pack OUT W-a W-b ...        # on the GPU machine, after bench/gpu_ab.sh
   python bench/draft_transport.py unpack OUT/W-a.tar DEST     # here: DEST/final_draft, DEST/train, DEST/logs
+  python bench/draft_transport.py states OUT W-a [N]           # there: the hidden states of stage 5's first N parity
+                                                               # samples (tar xf OUT/parity_states.tar -C DEST here)
 """
 import hashlib
 import io
@@ -64,8 +66,31 @@ def unpack(tar_path, dest, verifier="embedded:smollm2-135m-instruct"):
     print(f"{dest}/final_draft: lm_head {tuple(head.shape)} rebuilt, SHA-256 as trained")
 
 
+def states(out, run, limit=8, cap=15.5 * 2**20):
+    """The stored states of the held-out samples stage 5's served-vs-trained check reads (common/parity.py's choice,
+    the same split for every variant), as many as fit one returned file, with stage 2's manifest."""
+    from common.hidden_states import sample_path
+    from common.parity import parity_samples
+    run = Path(run)
+    chosen, why = parity_samples(run, limit, 10**9)
+    files = [run / "hidden_states" / "manifest.json"]
+    size = files[0].stat().st_size
+    for i, _ in chosen:
+        path = sample_path(run / "hidden_states", i)
+        if size + path.stat().st_size > cap:
+            break
+        files.append(path)
+        size += path.stat().st_size
+    with tarfile.open(Path(out) / "parity_states.tar", "w") as tar:
+        for f in files:
+            tar.add(f.resolve(), arcname=str(f.relative_to(run)))
+    print(f"parity_states.tar: {len(files) - 1} of {len(chosen)} samples' states, {size / 2**20:.1f} MiB {why}")
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "pack":
         pack(sys.argv[2], sys.argv[3:])
+    elif sys.argv[1] == "states":
+        states(sys.argv[2], sys.argv[3], *map(int, sys.argv[4:5]))
     else:
         unpack(sys.argv[2], sys.argv[3])
