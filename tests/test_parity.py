@@ -139,9 +139,11 @@ def step_by_step(work, model, d2t):
     return pairs
 
 
-# plain EAGLE-3 in speculators' format, EAGLE-3.1 norm-before-fc in EAGLE's; the generalising cases below cover
-# plain EAGLE-3 in EAGLE's format and fc-norm in speculators'
-@pytest.mark.parametrize("norms, fmt", [("eagle3", "speculators"), ("norm-before-fc", "eagle")])
+# EAGLE-3.1 norm-before-fc in EAGLE's format, memorised (every TTT position near 1: later positions counted as often
+# as the first); the generalising cases below cover plain EAGLE-3 in EAGLE's format and fc-norm in speculators', and
+# tests/test_served_config.py every norm variant in both formats as vLLM reads it (plain EAGLE-3 in speculators'
+# format, memorised here until 2026-12-03, dropped for the suite's time: ~2 min on a 2-core EPYC)
+@pytest.mark.parametrize("norms, fmt", [("norm-before-fc", "eagle")])
 def test_vllm_accepts_what_training_measured(memorise, norms, fmt):
     work = memorise(norms)
     prep = json.loads((work / "prepared" / "manifest.json").read_text())

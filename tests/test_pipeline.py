@@ -7,7 +7,8 @@ import time
 from conftest import ROOT, sigterm_and_wait
 
 TINY = ["--num-samples", 8, "--max-new-tokens", 24, "--max-seq-len", 256, "--max-steps", 4, "--eval-limit", 3,
-        "--regenerate-chunk", 4, "--draft-vocab-size", 512, "--max-tokens-per-step", 512, "--val-fraction", 0.25]
+        "--regenerate-chunk", 4, "--draft-vocab-size", 512, "--max-tokens-per-step", 512, "--val-fraction", 0.25,
+        "--latency-prompts", 0]  # one-at-a-time decoding: tests/test_dflash.py runs it
 
 
 def pipeline(*args):
