@@ -25,8 +25,8 @@ from common.io import write_manifest
 from common.models import load_tokenizer, open_verifier
 from common.stage import ensure_writable, start
 from common.train_data import split_samples
-from common.build_draft import build_model, geometry, resolve_mask_token, trainable_parameters
-from common.drafts.dflash import geometry_note
+from common.build_draft import build_model, geometry, trainable_parameters
+from common.drafts import method_of
 from common.train_preflight import checkpoint_disk, micro_batch_memory, read_inputs, refuse_oversized, \
     require_speculators
 from common.checkpoints import latest_checkpoint, load_weights
@@ -57,12 +57,9 @@ def main():
     full = voc_man["counts"]["full_vocabulary"]
     draft_vocab = text_cfg.vocab_size if full else voc_man["counts"]["draft_vocab_size"]
     require_speculators(cfg)
-    mask_id = None
-    if cfg.draft_method == "dflash":  # the token fed for the drafted positions, as speculators resolves it
-        mask_id, why = resolve_mask_token(load_tokenizer(model_dir, trust_remote_code=cfg.trust_remote_code),
-                                          text_cfg.vocab_size)
-        log.info("DFlash mask token: id %d, %s", mask_id, why)
-    g = geometry(cfg, text_cfg, draft_vocab, len(layer_ids) - 1, mask_id)
+    method = method_of(cfg)  # the draft method: its geometry, model, loss, export (common/drafts/)
+    g = geometry(cfg, text_cfg, draft_vocab, len(layer_ids) - 1, log=log,
+                 tokenizer=lambda: load_tokenizer(model_dir, trust_remote_code=cfg.trust_remote_code))
     hs_dir = Path(cfg.work_dir) / "hidden_states"
     # every file stage 2 wrote (it lists the samples it excluded as bad), checked from its header: seconds
     excluded = {int(i) for i in hs_man["counts"].get("bad_samples") or {}}
@@ -82,12 +79,11 @@ def main():
                                        lambda i: conversation_id(records[i]["id"]))
     bins = plan_epochs(train_idx, lengths, cfg, world)  # enough packed sequences for ranks x accumulation?
     need, have = micro_batch_memory(cfg, g, min(longest, cfg.max_tokens_per_step), device)
-    method = geometry_note(g) if mask_id is not None else f"EAGLE-3, TTT {cfg.ttt_steps}"
     log.info("plan: %d train / %d validation samples (%d tokens), draft hidden %d, heads %d/%d x %d, MLP %d, "
              "draft vocab %d of %d, aux layers %s, %s, %d tokens per micro-batch x %d accumulation x %d ranks on "
              "%s; ~%.1f GB per micro-batch (%.1f GB available)", len(train_idx), len(val_idx), sum(lengths.values()),
              g.hidden_size, g.num_heads, g.num_kv_heads, g.head_dim, g.intermediate_size, g.draft_vocab_size,
-             g.verifier_vocab_size, layer_ids[:-1], method, cfg.max_tokens_per_step, cfg.grad_accum, world,
+             g.verifier_vocab_size, layer_ids[:-1], method.note(g, cfg), cfg.max_tokens_per_step, cfg.grad_accum, world,
              device, need / 1e9, (have or 0) / 1e9)
     refuse_oversized(cfg, need, have, device)
     out = Path(cfg.work_dir) / "train"
@@ -133,10 +129,12 @@ def finish(cfg, log, model, g, layer_ids, model_dir, text_cfg, state, val_rows, 
     best_val = max(val_rows, key=lambda r: r["acceptance_length"]) if val_rows else None
     meta = {"layer_ids": layer_ids, "layer_convention": "vllm (id k enters decoder layer k; final id N pre-norm)",
             "verifier": cfg.verifier, "best_validation": best_val}
-    shapes = export_draft(model, final, cfg.export_format, layer_ids[:-1], cfg.verifier if not
-                          cfg.verifier.startswith("embedded:") else model_dir, text_cfg, cfg.ttt_steps, meta)
-    log.info("exported %s to %s (%d tensors)", "a DFlash draft (speculators format)" if cfg.draft_method == "dflash"
-             else f"{cfg.export_format} format", final, len(shapes))
+    shapes = export_draft(model, final, cfg, layer_ids[:-1], cfg.verifier if not
+                          cfg.verifier.startswith("embedded:") else model_dir, text_cfg, meta)
+    log.info("exported a %s draft to %s (%d tensors, %s)", cfg.draft_method, final, len(shapes),
+             "speculators format" if "speculators_model_type" in json.loads((final / "config.json").read_text())
+             else f"{cfg.export_format} format")
+
     if cfg.reference_config:
         diffs = compare_with_reference(shapes, cfg.reference_config)
         log.info("reference %s: %s", cfg.reference_config, "names and shapes identical" if not diffs else
@@ -144,7 +142,8 @@ def finish(cfg, log, model, g, layer_ids, model_dir, text_cfg, state, val_rows, 
     params = {o: cfg[o] for o in ("epochs", "max_steps", "ttt_steps", "ttt_decay", "lr", "warmup_steps",
                                   "weight_decay", "grad_clip", "grad_accum", "max_tokens_per_step", "seed",
                                   "val_fraction", "export_format", "hidden_noise", "train_lm_head", "draft_method",
-                                  "block_size", "max_anchors", "block_loss", "block_weights")}
+                                  "block_size", "max_anchors", "block_loss", "block_weights",
+                                  *method_of(cfg).options)}
     params["positions"] = k  # per-position metrics: TTT steps, or a DFlash block's drafted tokens
     write_manifest(out, "train", dict(params, layer_ids=layer_ids, geometry=g.to_dict()),
                    counts={"train_samples": n_train, "val_samples": len(val_idx), "steps": state["step"],

@@ -18,7 +18,8 @@ from common.evaluate import (acceptance_breakdown, acceptance_row, baseline_key,
                              eval_prompts, load_baseline, prompt_categories, run_engine, save_baseline, save_outputs,
                              save_results, single_note, vocab_coverage)
 from common.parity import parity_samples, served_vs_predicted, verdict
-from common.export import check_exported_draft, draft_method
+from common.drafts import method_of_export
+from common.export import check_exported_draft
 from common.io import read_manifest, write_manifest
 from common.models import load_tokenizer, open_verifier
 from common.served import check_served_as_trained
@@ -31,10 +32,10 @@ def main():
     train_man = read_manifest(work / "train", "train", "04_train.py")
     draft = work / "final_draft"
     conf = check_exported_draft(draft, train_man.get("exported_shapes"))
-    method = draft_method(conf)
-    if method != cfg.draft_method:  # vLLM would load it with the wrong proposer, after the verifier's model load
-        raise UsageError(f"{draft} holds a {method} draft but --draft-method is "
-                         f"{cfg.draft_method}; pass --draft-method {method} (the config may set it)")
+    method = method_of_export(conf)
+    if method.name != cfg.draft_method:  # vLLM would load it with the wrong proposer, after the verifier's model load
+        raise UsageError(f"{draft} holds a {method.name} draft but --draft-method is "
+                         f"{cfg.draft_method}; pass --draft-method {method.name} (the config may set it)")
     if os.environ.get("EAGLE3_SERVE_AS_EXPORTED") != "1":  # the parity gate's own test serves a broken export on purpose
         check_served_as_trained(draft, train_man["params"])  # vLLM's readers against stage 4's geometry, in seconds
     items = eval_prompts(cfg.eval_dataset, cfg.eval_limit, work)
@@ -42,11 +43,7 @@ def main():
     from common.engine import check_parallel, cpu_mla_fallback
     check_parallel(cfg, text_cfg)
     cpu_mla_fallback(text_cfg, log, cfg.eval_dtype or cfg.dtype)
-    ks = sorted(set(cfg.num_speculative_tokens))
-    if method == "dflash":  # one forward drafts the block it was trained on: its tokens after the anchor
-        ks = [conf["block_size"] - 1]
-        log.info("DFlash draft, block %d: k = %d drafted tokens per verify step (--num-speculative-tokens is "
-                 "EAGLE-3's)", conf["block_size"], ks[0])
+    ks = method.served_k(conf, cfg, log)  # a block draft: the block it was trained on
     log.info("plan: %d prompts from %s, %d new tokens each, temperature %g; engines: baseline + %s with %s%s",
              len(items), cfg.eval_dataset, cfg.max_new_tokens, cfg.temperature,
              ", ".join(f"k={k}" for k in (ks if cfg.exact_k_sweep else ks[-1:])), draft,
@@ -99,7 +96,7 @@ def main():
     categories = prompt_categories(cfg.eval_dataset)
     engines = ks if cfg.exact_k_sweep else ks[-1:]  # each engine is a model load (22 min for Kimi-K2.5)
     for k in engines:
-        spec = {"method": method, "model": str(draft.resolve()), "num_speculative_tokens": k}
+        spec = {"method": method.name, "model": str(draft.resolve()), "num_speculative_tokens": k}
         check = [{"prompt_token_ids": r["input_ids"][:r["loss_mask"].index(1)]} for _, r in checks] \
             if checks and k == engines[-1] else None
         tokens, secs, counters, steps, single, checked = run_engine(model_dir, cfg, prompts, spec, check)

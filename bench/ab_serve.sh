@@ -14,6 +14,7 @@ cfg=configs/smollm2-135m.yaml
 tar xf "$files/parity_states.tar" -C "$W"  # the held-out samples' states the served-vs-trained check reads
 serve() {  # run dir, then extra stage-5 options
   local run=$1; shift
+  [[ -f $run/eval/acceptance.json ]] && { echo "== $(basename "$run"): served before, kept"; return; }
   if [[ -f $W/baseline.json ]]; then mkdir -p "$run/eval" && cp "$W/baseline.json" "$run/eval/"; fi
   "$PY" 05_evaluate.py --config $cfg --work-dir "$run" "$@" > "$run.eval.log" 2>&1
   echo "== $(basename "$run"): exit $?"

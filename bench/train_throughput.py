@@ -30,7 +30,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.drafts import layers  # noqa: E402
-from common.drafts.eagle3 import DraftGeometry, Eagle3Draft, optimize_bf16, take_embedding  # noqa: E402
+from common.drafts.eagle3 import DraftGeometry, Eagle3Draft, optimize_bf16  # noqa: E402
+from common.drafts.layers import take_embedding  # noqa: E402
 from common.precision import use_bf16  # noqa: E402
 from dflash_step import dflash_main  # noqa: E402
 from step_common import (GEOMETRIES, bf16_gradient_gap, fp32_batch, make_batch, matmul_ceiling, profile, timed,  # noqa: E402

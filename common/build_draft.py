@@ -1,23 +1,15 @@
 """The draft model for stage 4: its geometry from the verifier's config, its frozen pieces from the verifier's weights."""
 import torch
 
-from common.drafts.dflash import DFlashDraft, DFlashGeometry
-from common.drafts.eagle3 import DraftGeometry, Eagle3Draft
+from common.drafts import method, method_of
 from common.errors import UsageError
 from common.models import load_verifier_pieces
 
 
-def geometry(cfg, text_cfg, draft_vocab, num_aux, mask_token_id=None):
-    """The draft's shapes: the verifier's unless --draft-* options say otherwise; DFlash adds its block."""
-    if getattr(cfg, "draft_method", "eagle3") == "dflash":
-        return dflash_geometry(cfg, text_cfg, draft_vocab, num_aux, mask_token_id)
-    if getattr(cfg, "draft_layers", 0) not in (0, 1):
-        raise UsageError(f"--draft-layers {cfg.draft_layers}: an EAGLE-3 draft has one layer (vLLM serves one); "
-                         f"more layers are for --draft-method dflash")
-    g = DraftGeometry(
-        **_shared(cfg, text_cfg), draft_vocab_size=draft_vocab, num_aux=num_aux,
-        norm_before_residual=cfg.norm_before_residual, norm_before_fc=cfg.draft_norms == "norm-before-fc",
-        fc_norm=cfg.draft_norms == "fc-norm", norm_output=cfg.draft_norms != "eagle3")
+def geometry(cfg, text_cfg, draft_vocab, num_aux, tokenizer=None, log=None):
+    """The draft's shapes: the verifier's unless --draft-* options say otherwise, and what its method adds.
+    tokenizer: a callable -> the verifier's tokenizer (a method that feeds one of its tokens asks for it)."""
+    g = method_of(cfg).geometry(cfg, _shared(cfg, text_cfg), draft_vocab, num_aux, tokenizer, log)
     if g.num_heads % g.num_kv_heads:
         raise UsageError(f"draft heads {g.num_heads} must be a multiple of draft KV heads {g.num_kv_heads}")
     return g
@@ -36,34 +28,10 @@ def _shared(cfg, text_cfg):
                 verifier_vocab_size=text_cfg.vocab_size)
 
 
-def dflash_geometry(cfg, text_cfg, draft_vocab, num_aux, mask_token_id):
-    g = DFlashGeometry(**_shared(cfg, text_cfg), draft_vocab_size=draft_vocab, num_aux=num_aux,
-                       num_layers=cfg.draft_layers or 5, block_size=cfg.block_size, mask_token_id=mask_token_id)
-    if g.num_heads % g.num_kv_heads:
-        raise UsageError(f"draft heads {g.num_heads} must be a multiple of draft KV heads {g.num_kv_heads}")
-    return g
-
-
-def resolve_mask_token(tok, vocab_size):
-    """The token DFlash feeds for the positions it drafts, as speculators resolves it: the tokenizer's mask token,
-    else the first embedding row no token uses, else pad / eos / unk. -> (id, where it came from)."""
-    if tok.mask_token_id is not None:
-        return tok.mask_token_id, f"the tokenizer's mask token {tok.mask_token!r}"
-    if len(tok) < vocab_size:
-        return len(tok), f"the first embedding row no token uses ({len(tok)} of {vocab_size})"
-    for name in ("pad", "eos", "unk"):
-        if getattr(tok, f"{name}_token_id", None) is not None:
-            return getattr(tok, f"{name}_token_id"), f"the {name} token {getattr(tok, f'{name}_token')!r} (no mask " \
-                f"token, no unused embedding row)"
-    raise UsageError(f"the verifier's tokenizer ({tok.name_or_path}) has no mask token, no unused embedding row and no "
-                     f"pad/eos/unk token: a DFlash draft has nothing to feed for the positions it drafts; use "
-                     f"--draft-method eagle3, or add a mask token to the verifier's tokenizer")
-
-
 def trainable_parameters(g, train_head=False):
     """How many parameters the draft trains, counted on the meta device (no memory, no init)."""
     with torch.device("meta"):
-        model = (DFlashDraft if isinstance(g, DFlashGeometry) else Eagle3Draft)(g)
+        model = method(g.method).model(g)
     model.lm_head.requires_grad_(train_head)
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
@@ -72,12 +40,12 @@ def build_model(g, model_dir, target_ids, trained=None, train_head=False):
     """Draft with frozen pieces from the verifier: embeddings, draft lm_head = verifier rows of the draft vocab
     (trained further with train_head). trained: trainable weights from a checkpoint, loaded instead of a
     random init (which takes half a minute for a Kimi-size draft on the one CPU thread torchrun leaves each rank)."""
-    cls = DFlashDraft if isinstance(g, DFlashGeometry) else Eagle3Draft
+    build = method(g.method).model
     if trained is None:
-        model = cls(g)
+        model = build(g)
     else:
         with torch.device("meta"):
-            model = cls(g)
+            model = build(g)
         model.to_empty(device="cpu")
     model.lm_head.requires_grad_(train_head)
     if trained is not None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import yaml
 
+from common.drafts import METHOD_NAMES
 from common.errors import UsageError
 
 
@@ -139,7 +140,7 @@ OPTIONS = [
     # block drafts (DFlash): the same hidden states, one forward drafts a whole block
     Opt("draft_method", str, "eagle3", "draft to train and serve: eagle3 (one forward per drafted token, the TTT "
         "unroll) or dflash (a block of tokens per forward from a non-causal stack)", stages="45",
-        choices=("eagle3", "dflash")),
+        choices=METHOD_NAMES),  # the registry's names (common/drafts/__init__.py), plugins included
     Opt("block_size", int, 16, "dflash: tokens per block, the anchor (the last accepted token) plus block_size - 1 "
         "drafted ones (vLLM's num_speculative_tokens)", stages="45", range="[2, inf)"),
     Opt("draft_layers", int, 0, "draft decoder layers (0 = the method's default: eagle3 1, dflash 5)", stages="4",

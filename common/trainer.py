@@ -9,8 +9,8 @@ import torch
 from common.checkpoints import gather_states, latest_checkpoint, load_checkpoint, prune_checkpoints, read_state, \
     save_checkpoint
 from common.distributed import agreed, all_reduce_sums, global_sums, wrap_parallel
-from common.drafts.eagle3 import optimize_bf16, take_embedding
-from common.drafts.layers import attention_backend
+from common.drafts import method_of
+from common.drafts.layers import take_embedding
 from common.drafts.losses import compile_loss
 from common.errors import UsageError
 from common.log import fmt_duration
@@ -42,8 +42,8 @@ RESUME_KEYS = ("epochs", "max_steps", "lr", "warmup_steps", "weight_decay", "gra
 
 
 def method_shift(cfg):
-    """Tokens a sample is shifted by in its batches: EAGLE-3 reads token t + 1 beside the states of t, DFlash not."""
-    return 0 if getattr(cfg, "draft_method", "eagle3") == "dflash" else 1
+    """Tokens a sample is shifted by in its batches (its method's: EAGLE-3 reads token t + 1 beside the states of t)."""
+    return method_of(cfg).shift
 
 
 def plan_epochs(train_idx, lengths, cfg, world, grad_accum=None):
@@ -73,19 +73,18 @@ class Trainer:
         self.train_idx, self.val_idx, self.lengths = train_idx, val_idx, lengths
         self.bf16 = agreed(use_bf16(device, cfg.amp), device, world)
         self.dtype = torch.bfloat16 if self.bf16 else torch.float32
-        self.dflash, self.shift = cfg.draft_method == "dflash", method_shift(cfg)
+        self.method = method_of(cfg)
+        self.shift = self.method.shift
         # what the model's forward takes besides the batch, and how many draft positions its metrics have
-        self.loss_args = (cfg.max_anchors, cfg.block_weights, cfg.block_loss, cfg.block_decay_gamma, cfg.dpace_alpha) \
-            if self.dflash else (cfg.ttt_steps, cfg.ttt_decay)
-        self.positions = model.positions if self.dflash else cfg.ttt_steps
-        # on GPUs the EAGLE-3 loader looks the input tokens up in host memory (2.3 GB less GPU memory at Kimi scale);
-        # a DFlash block embeds only its anchor and mask tokens, on the device
-        self.host_embed = take_embedding(model, self.dtype) if device.type == "cuda" and not self.dflash else None
+        self.loss_args = self.method.loss_args(cfg)
+        self.positions = self.method.positions(cfg)
+        # on GPUs an EAGLE-style loader looks the input tokens up in host memory (2.3 GB less GPU memory at Kimi
+        # scale); a block draft embeds only its anchor and mask tokens, on the device
+        self.host_embed = take_embedding(model, self.dtype) if device.type == "cuda" and self.method.host_embedding \
+            else None
         self.model = model.to(device)
-        if self.bf16 and self.dflash:
-            model.prepare_bf16(cfg.compile and device.type == "cuda" and attention_backend(device) == "flex")
-        elif self.bf16:
-            optimize_bf16(model, cfg.compile and device.type == "cuda")
+        if self.bf16:
+            self.method.prepare_bf16(model, cfg, device)
         log.info("precision: %s (--amp %s)", "bf16 autocast, fp32 master weights" if self.bf16 else "fp32", cfg.amp)
         if cfg.compile and device.type == "cpu":
             compile_loss(cpu_compiler_found(log))
@@ -103,9 +102,9 @@ class Trainer:
         # validation packed per group (val_groups: name -> sample indices), reported overall and per group
         self.val_sets = {name: pack(idx, lengths, cfg.max_tokens_per_step, cfg.seed, 0, shift=self.shift)
                          for name, idx in (val_groups or {"all": val_idx}).items() if idx}
-        self.settings = {k: cfg[k] for k in RESUME_KEYS}
+        self.settings = {k: cfg[k] for k in RESUME_KEYS + tuple(k for k in self.method.options if k not in RESUME_KEYS)}
         self.settings["geometry"] = model.g.to_dict()
-        self.settings["draft_method"] = cfg.draft_method  # an EAGLE-3 checkpoint is not resumed as DFlash, nor back
+        self.settings["draft_method"] = cfg.draft_method  # a checkpoint of one method is not resumed as another
         self.settings["optimizer_layout"] = "fsdp" if self.fsdp else "plain"  # their saved states differ
         self.settings["packing"] = PACKING  # a checkpoint's data position indexes this packing's sequences
         self.settings["split"] = SPLIT
@@ -192,8 +191,7 @@ class Trainer:
         n = math.ceil(len(val_bins) / self.world)
         loader = make_loader(self.folder, bins + val_bins[:1] * (n - len(bins)), self.cfg.max_tokens_per_step, 0,
                              embed=self.host_embed, shift=self.shift)
-        # DFlash validates on every block a loss-masked position can anchor (a sample of them would be noise)
-        every = ("all",) if self.dflash else ()
+        every = self.method.validation_args  # a block draft: every block a loss-masked position can anchor
         sums = {}
         with torch.no_grad():
             for i, batch in enumerate(loader):

@@ -237,7 +237,7 @@ def test_vllm_serves_the_dflash_draft_with_the_verifiers_outputs(dflash_run):
 def test_the_mask_token_is_resolved_as_speculators_does_or_refused(tokenizer):
     """The tokenizer's mask token, else the first embedding row no token uses, else pad / eos / unk; none: one line."""
     import copy
-    from common.build_draft import resolve_mask_token
+    from common.drafts.dflash import resolve_mask_token
     from common.errors import UsageError
     n = len(tokenizer)
     assert resolve_mask_token(tokenizer, n + 64)[0] == n  # a larger embedding than the tokenizer: its first free row

@@ -40,7 +40,7 @@ def exported(tmp_path, model, fmt):
     rows = torch.randperm(VOCAB)[:DRAFT_VOCAB].sort().values
     with torch.no_grad():
         model.d2t.copy_(rows - torch.arange(DRAFT_VOCAB))
-    export_draft(model, tmp_path, fmt, AUX, "/verifier", VERIFIER, 3, {})
+    export_draft(model, tmp_path, SimpleNamespace(export_format=fmt, ttt_steps=3), AUX, "/verifier", VERIFIER, {})
     return rows
 
 
@@ -108,8 +108,9 @@ def test_the_shipped_kimi_configs_export_what_they_train(tmp_path, config):
     """The shipped configs' own geometry at Kimi width (config.json only: the weights would be gigabytes)."""
     cfg = parse_config(4, "", ["--config", str(ROOT / config)])
     layer_ids = cfg.layer_ids
-    g = geometry(cfg, KIMI, cfg.draft_vocab_size, len(layer_ids) - 1, 163838 if cfg.draft_method == "dflash" else None)
-    conf = draft_config(g, cfg.export_format, layer_ids[:-1], "moonshotai/Kimi-K2.5", KIMI, cfg.ttt_steps)
+    mask = SimpleNamespace(mask_token_id=163838, mask_token="<|mask|>")  # the verifier's tokenizer, as the method asks
+    g = geometry(cfg, KIMI, cfg.draft_vocab_size, len(layer_ids) - 1, tokenizer=lambda: mask)
+    conf = draft_config(g, cfg, layer_ids[:-1], "moonshotai/Kimi-K2.5", KIMI)
     (tmp_path / "config.json").write_text(json.dumps(conf))
     trained = trained_view({"geometry": g.to_dict(), "layer_ids": layer_ids, "draft_method": cfg.draft_method})
     served = served_view(tmp_path)

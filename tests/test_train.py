@@ -99,7 +99,8 @@ def same_as_speculators(ref, ours, batch):
 def test_speculators_loads_checkpoint_and_computes_same_outputs(trained):
     """speculators' own Eagle3DraftModel, given our exported folder, predicts the same tokens and loss."""
     from common.build_draft import build_model
-    from common.drafts.eagle3 import DraftGeometry, take_embedding
+    from common.drafts.eagle3 import DraftGeometry
+    from common.drafts.layers import take_embedding
     from common.drafts.losses import ttt_loss
     from common.train_data import PackedDataset
     ref = speculators_model(trained / "final_draft")
@@ -390,7 +391,8 @@ def test_eagle31_norms_compute_what_speculators_computes(extracted, verifier_dir
             if p.requires_grad and p.dim() == 1:
                 p.uniform_(0.5, 1.5)
     names = {"norm-before-fc": "input_norm.weight", "fc-norm": "fc_norm.2.weight"}
-    export_draft(ours, tmp_path / "d", "speculators", [2, 15, 27], verifier_dir, text_cfg, 3, {})
+    export_draft(ours, tmp_path / "d", SimpleNamespace(export_format="speculators", ttt_steps=3), [2, 15, 27],
+                 verifier_dir, text_cfg, {})
     exported = load_file(str(tmp_path / "d" / "model.safetensors"))
     assert names[norms] in exported
     saved = json.loads((tmp_path / "d" / "config.json").read_text())

