@@ -48,7 +48,7 @@ def test_an_unregistered_method_is_one_line_naming_the_choices(toy_run):
     work, _ = toy_run
     proc = run_script("04_train.py", "--work-dir", work, *ARGS)  # no EAGLE3_DRAFT_METHODS: no toy
     assert proc.returncode == 2 and "Traceback" not in proc.output
-    assert "must be one of eagle3, dflash, got 'toy'" in proc.stderr, proc.stderr
+    assert "--draft-method: invalid choice: 'toy' (choose from 'eagle3', 'dflash')" in proc.stderr, proc.stderr
 
 
 def test_no_stage_names_a_method_outside_the_draft_package():
