@@ -1,10 +1,7 @@
-"""Export the trained draft as a folder vLLM serves with {"method": "eagle3", "model": DIR}.
-
-speculators format (default): config built with speculators' own Eagle3SpeculatorConfig; weights
-fc / layers.0.* / norm / lm_head (+ d2t, t2d when the draft vocab is smaller).
-eagle format: the original EAGLE-3 layout (LlamaForCausalLMEagle3, midlayer.*), as SpecForge and
-the public AQ-MedAI Kimi-K2.5 draft use. Embeddings are omitted unless asked (vLLM shares the
-verifier's). norm_before_residual is always written: its default differs between the formats.
+"""Export the trained draft as a folder vLLM serves with {"method": <its method>, "model": DIR}: the weights in
+bf16 without the embedding (vLLM shares the verifier's), d2t / t2d where the draft vocab is smaller, and the
+config.json its method builds (common/drafts/: EAGLE-3 in speculators' or EAGLE's layout, DFlash in speculators').
+Also the printed serve command and the comparison with a reference draft's names and shapes.
 """
 import json
 from pathlib import Path

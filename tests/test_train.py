@@ -332,9 +332,12 @@ def test_printed_serve_command_starts_a_server_that_serves_the_draft(trained, tm
     words = shlex.split(command)
     assert words[words.index("--max-model-len") + 1] == "192"  # the context the draft trained on
     assert "context: the draft trained on samples of up to 192 tokens (--max-seq-len) with plain RoPE" in log
-    port = 8000  # the printed command's own port: run exactly as printed, in a shell, this venv first on PATH
+    # run as printed, in a shell, this venv first on PATH, on a free port instead of 8000 (another server may hold it)
     with socket.socket() as s:
-        assert s.connect_ex(("127.0.0.1", port)) != 0, "port 8000 is taken: the printed command cannot start here"
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert " --port 8000" in command
+    command = command.replace(" --port 8000", f" --port {port}")
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
     server = subprocess.Popen(["bash", "-c", command], cwd=tmp_path, env=env, stdout=open(tmp_path / "server.log", "w"),
                               stderr=subprocess.STDOUT, start_new_session=True)
