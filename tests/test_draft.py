@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from common.drafts import ttt_plan
 from common.drafts.eagle3 import DraftGeometry, Eagle3Draft
 from common.drafts.layers import rope
-from common.drafts.losses import ttt_loss
+from common.drafts.eagle3 import ttt_loss
 
 
 def tiny_batch(T=300, seed=0, vocab=500, H=64):

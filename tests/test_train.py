@@ -78,7 +78,7 @@ def same_as_speculators(ref, ours, batch):
     """Both models on one packed sample: the same draft tokens at every TTT step and the same loss; -> our logits."""
     from speculators.losses import resolve_loss_config
 
-    from common.drafts.losses import ttt_loss
+    from common.drafts.eagle3 import ttt_loss
     ours.eval()
     with torch.no_grad():
         draft_tokens, ref_loss, _ = ref(
@@ -101,7 +101,7 @@ def test_speculators_loads_checkpoint_and_computes_same_outputs(trained):
     from common.build_draft import build_model
     from common.drafts.eagle3 import DraftGeometry
     from common.drafts.layers import take_embedding
-    from common.drafts.losses import ttt_loss
+    from common.drafts.eagle3 import ttt_loss
     from common.train_data import PackedDataset
     ref = speculators_model(trained / "final_draft")
     batch = float_batch(trained / "hidden_states")

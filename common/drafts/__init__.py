@@ -6,7 +6,7 @@
   ttt_plan   EAGLE-3's row plan and its attention (per document on CPUs, flex attention on CUDA)
   block_plan DFlash's block attention (per document on CPUs, flex attention on CUDA)
   layers     RMSNorm, RoPE, SwiGLU MLP, row-rounded Linear (both methods)
-  losses     the fused soft-target KL kernel; per-slot losses and weights of block drafts
+  losses     the soft-target KL kernel (EAGLE-3's TTT loss); per-slot losses and weights of block drafts
   acceptance acceptance length from per-position counts
 
 The registry: method(name) -> that method's DraftMethod. Another method is one module defining METHOD, registered

@@ -18,12 +18,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from common.drafts import layers
+from common.drafts import layers, losses
 from common.drafts.layers import MLP, Geometry, Linear, RMSNorm, rope
 from common.drafts.interface import DraftMethod
 from common.errors import UsageError
-from common.drafts.losses import ttt_loss
-from common.drafts.ttt_plan import index_plan, make_plan
+from common.drafts.ttt_plan import OnHost, index_plan, make_plan, move
 
 
 @dataclass(kw_only=True)
@@ -141,6 +140,45 @@ class Eagle3Draft(nn.Module):
         ix = index_plan(torch.ones(T, dtype=torch.bool), doc.cpu(), docs, ttt_steps, every_row=True)
         plan = make_plan(ix, T, doc, docs, ids.device)
         return [self.lm_head(self.norm(h)) for _, h in self.run_steps(aux, self.embed_tokens(ids), pos, plan)]
+
+
+def ttt_loss(model, batch, ttt_steps, decay):
+    """KL(verifier || draft) on the draft vocab per TTT step, masked; -> (loss, metrics counts).
+
+    batch: aux [T, 3H], ids [T] (token i+1), embeds [T, H] (optional: their embeddings), target_hidden [T, H] (verifier h_N at i+1),
+    loss_mask [T], doc [T] document index, pos [T], docs [(start, end)].
+    Teacher forcing feeds ground-truth tokens forward, so a start position needs computing at step k
+    only if it has a loss target at step k or later: the layer runs on those rows only (step 0 keeps
+    keys/values everywhere), the vocab projections only at loss-masked targets.
+    """
+    aux, ids, pos, doc = batch["aux"], batch["ids"], batch["pos"], batch["doc"]
+    embeds = batch["embeds"] if "embeds" in batch else model.embed_tokens(ids)  # looked up by the loader on GPUs
+    T, dev = ids.shape[0], ids.device
+    cpu = batch.get("cpu") or OnHost(loss_mask=batch["loss_mask"].cpu(), doc=doc.cpu())
+    ix = move(index_plan(cpu["loss_mask"].bool(), cpu["doc"], batch["docs"], ttt_steps), dev)
+    valid = ix["valid"]
+    with torch.no_grad():
+        target_ids, target_logp = losses.targets(model.verifier_lm_head(model.verifier_norm(batch["target_hidden"][ix["tpos"]])))
+    plan = make_plan(ix, T, doc, batch["docs"], dev)
+    chain_ok = torch.ones(T, dtype=torch.bool, device=dev)  # drafts 0..k-1 right from start i
+    total, metrics = 0.0, {}
+    for k, h in model.run_steps(aux, embeds, pos, plan):
+        sel, tr = ix["sel"][k], ix["tr"][k]
+        logits = model.lm_head(model.norm(h[ix["local"][k]]))
+        kl, top = losses.SoftKL.apply(logits, target_logp, tr)
+        step_loss = kl.sum() / max(len(sel), 1)
+        total = total + (decay ** k) * step_loss
+        with torch.no_grad():
+            correct = torch.zeros(T, dtype=torch.bool, device=dev)
+            correct[sel] = top == target_ids[tr]
+            chain = chain_ok & valid[k]
+            metrics[f"loss_{k}"] = step_loss.detach()
+            metrics[f"full_correct_{k}"] = (correct & chain).sum()  # drafts 0..k all right
+            metrics[f"full_total_{k}"] = valid[k].sum()
+            metrics[f"cond_correct_{k}"] = (correct & chain).sum()
+            metrics[f"cond_total_{k}"] = chain.sum()
+            chain_ok = chain_ok & correct
+    return total, metrics
 
 
 def optimize_bf16(model, compile_layers=True):

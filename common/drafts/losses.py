@@ -1,9 +1,8 @@
-"""The training losses: EAGLE-3's KL per TTT step (ttt_loss, with a hand-written backward that keeps no fp32
-copies of [rows, vocab] tensors), and DFlash's per-slot loss and slot weights."""
+"""Loss maths the methods share: the soft-target KL per row with a hand-written backward that keeps no fp32 copies
+of [rows, vocab] tensors (SoftKL, EAGLE-3's TTT loss in eagle3.py), and a block draft's per-slot loss and slot
+weights (DFlash)."""
 import torch
 import torch.nn.functional as F
-
-from common.drafts.ttt_plan import OnHost, index_plan, make_plan, move
 
 
 def _kl_rows(logits, target_logp, idx):
@@ -52,45 +51,6 @@ class SoftKL(torch.autograd.Function):
     def backward(ctx, grad, _):
         logits, target_logp, idx = ctx.saved_tensors
         return kl_grad(logits, target_logp, idx, grad), None, None
-
-
-def ttt_loss(model, batch, ttt_steps, decay):
-    """KL(verifier || draft) on the draft vocab per TTT step, masked; -> (loss, metrics counts).
-
-    batch: aux [T, 3H], ids [T] (token i+1), embeds [T, H] (optional: their embeddings), target_hidden [T, H] (verifier h_N at i+1),
-    loss_mask [T], doc [T] document index, pos [T], docs [(start, end)].
-    Teacher forcing feeds ground-truth tokens forward, so a start position needs computing at step k
-    only if it has a loss target at step k or later: the layer runs on those rows only (step 0 keeps
-    keys/values everywhere), the vocab projections only at loss-masked targets.
-    """
-    aux, ids, pos, doc = batch["aux"], batch["ids"], batch["pos"], batch["doc"]
-    embeds = batch["embeds"] if "embeds" in batch else model.embed_tokens(ids)  # looked up by the loader on GPUs
-    T, dev = ids.shape[0], ids.device
-    cpu = batch.get("cpu") or OnHost(loss_mask=batch["loss_mask"].cpu(), doc=doc.cpu())
-    ix = move(index_plan(cpu["loss_mask"].bool(), cpu["doc"], batch["docs"], ttt_steps), dev)
-    valid = ix["valid"]
-    with torch.no_grad():
-        target_ids, target_logp = targets(model.verifier_lm_head(model.verifier_norm(batch["target_hidden"][ix["tpos"]])))
-    plan = make_plan(ix, T, doc, batch["docs"], dev)
-    chain_ok = torch.ones(T, dtype=torch.bool, device=dev)  # drafts 0..k-1 right from start i
-    total, metrics = 0.0, {}
-    for k, h in model.run_steps(aux, embeds, pos, plan):
-        sel, tr = ix["sel"][k], ix["tr"][k]
-        logits = model.lm_head(model.norm(h[ix["local"][k]]))
-        kl, top = SoftKL.apply(logits, target_logp, tr)
-        step_loss = kl.sum() / max(len(sel), 1)
-        total = total + (decay ** k) * step_loss
-        with torch.no_grad():
-            correct = torch.zeros(T, dtype=torch.bool, device=dev)
-            correct[sel] = top == target_ids[tr]
-            chain = chain_ok & valid[k]
-            metrics[f"loss_{k}"] = step_loss.detach()
-            metrics[f"full_correct_{k}"] = (correct & chain).sum()  # drafts 0..k all right
-            metrics[f"full_total_{k}"] = valid[k].sum()
-            metrics[f"cond_correct_{k}"] = (correct & chain).sum()
-            metrics[f"cond_total_{k}"] = chain.sum()
-            chain_ok = chain_ok & correct
-    return total, metrics
 
 
 LOSS_EPS = 1e-5  # speculators' _LOSS_REDUCTION_EPS
