@@ -131,10 +131,7 @@ def finish(cfg, log, model, g, layer_ids, model_dir, text_cfg, state, val_rows, 
             "verifier": cfg.verifier, "best_validation": best_val}
     shapes = export_draft(model, final, cfg, layer_ids[:-1], cfg.verifier if not
                           cfg.verifier.startswith("embedded:") else model_dir, text_cfg, meta)
-    log.info("exported a %s draft to %s (%d tensors, %s)", cfg.draft_method, final, len(shapes),
-             "speculators format" if "speculators_model_type" in json.loads((final / "config.json").read_text())
-             else f"{cfg.export_format} format")
-
+    log.info("exported a %s draft to %s (%d tensors)", cfg.draft_method, final, len(shapes))
     if cfg.reference_config:
         diffs = compare_with_reference(shapes, cfg.reference_config)
         log.info("reference %s: %s", cfg.reference_config, "names and shapes identical" if not diffs else

@@ -48,9 +48,6 @@ class DraftMethod:
         """Rough peak bytes of one micro-batch (stage 4 refuses one that cannot fit, before training)."""
         raise NotImplementedError
 
-    def check(self, cfg):
-        """Its own option checks beyond common/config.py's ranges (UsageError, one line)."""
-
     # ---- export and serving
     def export_config(self, g, cfg, aux_ids, verifier_name, verifier_config):
         """config.json of the exported draft, as vLLM reads it."""
