@@ -151,6 +151,9 @@ OPTIONS = [
         "or KL to its distribution", stages="4", choices=("ce", "kl")),
     Opt("block_weights", str, "dpace", "dflash: per-slot loss weights, dpace (each slot by the smoothed chance the "
         "block gets that far) or fixed (exp(-(slot - 1) / --block-decay-gamma))", stages="4", choices=("dpace", "fixed")),
+    Opt("block_attention", str, "bidirectional", "dflash: what a drafted slot sees of its own block: every slot "
+        "(bidirectional, DFlash's design) or the slots before it (causal, speculators' DFlash default)", stages="4",
+        choices=("bidirectional", "causal")),
     Opt("block_decay_gamma", float, 4.0, "dflash: decay of the fixed slot weights", stages="4", range="(0, inf)"),
     Opt("dpace_alpha", float, 0.5, "dflash: D-PACE's confidence smoothing", stages="4", range="(0, 1]"),
     Opt("device", str, "auto", "training device: auto, cpu, cuda", stages="4"),

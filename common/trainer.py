@@ -28,6 +28,24 @@ def lr_lambda(warmup, total):
     return f
 
 
+def with_later_defaults(saved, now, geometry):
+    """A checkpoint's settings with those added since it was written (absent there) at the value they had then, each
+    option's default: a run started before an option existed resumes (where it is not set otherwise)."""
+    from dataclasses import MISSING, fields
+
+    from common.config import BY_NAME
+    saved = dict(saved)
+    for k, v in now.items():
+        if k not in saved and k in BY_NAME and BY_NAME[k].default == v:
+            saved[k] = v
+    if isinstance(saved.get("geometry"), dict):
+        saved["geometry"] = dict(saved["geometry"])
+        for f in fields(geometry):
+            if f.name not in saved["geometry"] and f.default is not MISSING:
+                saved["geometry"][f.name] = f.default
+    return saved
+
+
 def add_noise(aux, scale, num_aux):
     """aux [T, num_aux * H] + Gaussian noise, std = scale x the RMS of each token's state in each layer."""
     x = aux.view(aux.shape[0], num_aux, -1)
@@ -142,7 +160,7 @@ class Trainer:
             if self.rank == 0 and self.metrics_path.exists():
                 self.metrics_path.unlink()  # a fresh run starts a fresh curve
             return False
-        saved = read_state(ckpt).get("settings")
+        saved = with_later_defaults(read_state(ckpt).get("settings") or {}, self.settings, self.model.g)
         if saved != self.settings:
             saved = saved or {}
             diff = sorted(k for k in self.settings if saved.get(k) != self.settings[k])

@@ -17,7 +17,8 @@ V, VD, H, BS = 211, 64, 64, 4
 
 def reference(g, verifier):
     """speculators' DFlashDraftModel at geometry g, random weights (its frozen pieces start as NaN). verifier: a folder
-    with a config.json, which speculators reads (a hub id there costs retries against a hub this machine lacks)."""
+    with a config.json, which speculators reads (a hub id there costs retries against a hub this machine lacks).
+    g.causal: its DFlash default, sliding-window layers (a window past the batch) causal within the block."""
     from speculators.config import SpeculatorsConfig, VerifierConfig
     from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
     from speculators.proposals.greedy import GreedyTokenProposalConfig
@@ -28,9 +29,11 @@ def reference(g, verifier):
                         rope_parameters={"rope_type": "default", "rope_theta": g.rope_theta},
                         max_position_embeddings=g.max_position_embeddings)
     layer._attn_implementation = "sdpa"  # its flex-attention default has no CPU backward
+    if g.causal:
+        layer.layer_types, layer.sliding_window = ["sliding_attention"] * g.num_layers, 4096
     conf = DFlashSpeculatorConfig(
         transformer_layer_config=layer, draft_vocab_size=VD, block_size=BS, aux_hidden_state_layer_ids=[1, 2, 3],
-        mask_token_id=g.mask_token_id,
+        mask_token_id=g.mask_token_id, sliding_window_non_causal=not g.causal,
         speculators_config=SpeculatorsConfig(
             algorithm="dflash", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=BS - 1)],
             default_proposal_method="greedy", verifier=VerifierConfig(name_or_path=str(verifier), architectures=["X"])))
@@ -46,12 +49,12 @@ def reference(g, verifier):
     return ref.eval()
 
 
-def geometry(layers=2):
+def geometry(layers=2, causal=False):
     # the shipped Kimi DFlash config's relations: heads x head dim (4 x 24) != hidden (64), GQA, three aux taps
     return DFlashGeometry(hidden_size=H, num_heads=4, num_kv_heads=2, head_dim=24, intermediate_size=96,
                           num_layers=layers, block_size=BS, rms_norm_eps=1e-6, rope_theta=10000.0,
                           max_position_embeddings=512, verifier_vocab_size=V, draft_vocab_size=VD, num_aux=3,
-                          mask_token_id=V - 1)
+                          mask_token_id=V - 1, causal=causal)
 
 
 def batch(lengths=(23, 17)):
@@ -83,11 +86,13 @@ def run_reference(ref, b, anchors, weighting, loss, monkeypatch):
     return logits[0], loss, metrics
 
 
-@pytest.mark.parametrize("weighting,loss", [("dpace", "ce"), ("fixed", "kl"), ("dpace", "kl")])
-def test_same_names_logits_loss_and_accepted_length_as_speculators(weighting, loss, monkeypatch, tmp_path):
-    """ce + dpace is speculators' DFlash recipe (and our default); kl + fixed its earlier one."""
+@pytest.mark.parametrize("weighting,loss,causal", [("dpace", "ce", False), ("fixed", "kl", False),
+                                                 ("dpace", "kl", False), ("fixed", "ce", True)])
+def test_same_names_logits_loss_and_accepted_length_as_speculators(weighting, loss, causal, monkeypatch, tmp_path):
+    """ce + dpace is speculators' DFlash recipe (and our default); kl + fixed its earlier one; causal within the block
+    (--block-attention causal) its trainer's default layers (sliding window, sliding_window_non_causal false)."""
     from transformers import Qwen3Config
-    g = geometry()
+    g = geometry(causal=causal)
     Qwen3Config(vocab_size=V, hidden_size=H).save_pretrained(tmp_path)
     ref = reference(g, tmp_path)
     ours = DFlashDraft(g).float().eval()
@@ -118,12 +123,13 @@ def test_slots_past_the_anchors_document_carry_no_loss():
     assert mask.view(-1, BS).tolist() == [[False, True, False, False], [False, True, True, True]]
 
 
-def test_flex_attention_equals_the_per_document_products(monkeypatch):
+@pytest.mark.parametrize("causal", [False, True])
+def test_flex_attention_equals_the_per_document_products(monkeypatch, causal):
     """CUDA's block-sparse flex attention (one call, a mask made per forward) and the CPU's per-document products: the
     same logits and loss on packed documents, GQA, a block at a document's first token. Forward only: flex attention
     has no CPU backward (on an H200 the two paths' fp32 gradients agree to 1e-5: bench/train_throughput.py --variants
     flex+compile sdpa --check)."""
-    g = geometry()
+    g = geometry(causal=causal)
     b = batch((23, 17, 9))
     anchors = torch.tensor([3, 7, 12, 18, 26, 30, 34, 40, 45])
     torch.manual_seed(2)

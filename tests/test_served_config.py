@@ -61,15 +61,17 @@ def test_vllm_reads_an_eagle3_draft_as_trained(tmp_path, norms, fmt, residual):
         assert conf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == AUX
 
 
-def test_vllm_reads_a_dflash_draft_as_trained_non_causal(tmp_path):
+@pytest.mark.parametrize("causal", [False, True])
+def test_vllm_reads_a_dflash_draft_as_trained(tmp_path, causal):
+    """Bidirectional within the block (the default) or causal (--block-attention causal): vLLM reads it so."""
     from vllm.model_executor.models.qwen3_dflash import dflash_has_any_non_causal
     from vllm.transformers_utils.config import get_config
-    g = DFlashGeometry(**SHAPES, num_layers=3, block_size=8, num_aux=3, mask_token_id=VOCAB - 3)
+    g = DFlashGeometry(**SHAPES, num_layers=3, block_size=8, num_aux=3, mask_token_id=VOCAB - 3, causal=causal)
     rows = exported(tmp_path, DFlashDraft(g), "speculators")
     trained, served = trained_view(params(g, "dflash")), served_view(tmp_path)
     assert not differences(trained, served), differences(trained, served)
-    assert served["causal"] == [False, False, False]  # every layer sees the whole block, as in training
-    assert dflash_has_any_non_causal(get_config(str(tmp_path), trust_remote_code=False))
+    assert served["causal"] == [causal] * 3  # every layer sees the block as in training
+    assert dflash_has_any_non_causal(get_config(str(tmp_path), trust_remote_code=False)) is not causal
     assert served["mask_token_id"] == VOCAB - 3 and served["drafted_tokens"] == 7
     assert served["aux_layer_ids"] == AUX  # DFlash's own numbering (id - 1) derived by vLLM from these
     vocab_maps_and_dtype(tmp_path, rows, "layers.2.")

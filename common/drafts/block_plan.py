@@ -1,5 +1,6 @@
 """DFlash's block attention: every block (its anchor and mask slots) sees its document's context before its anchor
-and its own block, non-causally. One block-sparse flex-attention call on CUDA; per document on CPUs, where a dense
+and its own block: all of it (bidirectional, DFlash's design), or with causal=True each slot the slots up to itself
+(speculators' DFlash default). One block-sparse flex-attention call on CUDA; per document on CPUs, where a dense
 mask over the packed sequence would cost every block x the packed length (speculators' layout)."""
 import torch
 
@@ -7,19 +8,19 @@ from common.drafts import layers
 from common.drafts.layers import compiled_flex
 
 
-def block_plan(doc, anchors, block_size):
+def block_plan(doc, anchors, block_size, causal=False):
     """The attention of the blocks anchored at `anchors` (sorted positions in the packed sequence of documents
     `doc`): one block-sparse flex-attention call on CUDA (layers.attention_backend), else per document."""
     if layers.attention_backend(doc.device) == "flex":
-        return FlexBlocks(doc, anchors, block_size)
-    return PerDocumentBlocks(doc, anchors, block_size)
+        return FlexBlocks(doc, anchors, block_size, causal)
+    return PerDocumentBlocks(doc, anchors, block_size, causal)
 
 
 class FlexBlocks:
     """GPU: one flex-attention call; the block mask (made once per forward, shared by the layers) skips the tiles
     no query of a tile can see, so the cost follows each block's visible context, as per document."""
 
-    def __init__(self, doc, anchors, bs):
+    def __init__(self, doc, anchors, bs, causal=False):
         flex, block_mask = compiled_flex()
         self.flex, dev, T, Q, pad = flex, doc.device, doc.numel(), anchors.numel() * bs, 256
         # the kernel may read a tile past the end: padded entries are valid indices whose values match nothing
@@ -32,7 +33,8 @@ class FlexBlocks:
 
         def mask_mod(b, h, qi, ki):  # its document's context before its anchor, and its own block
             context = (kv_blk[ki] == -1) & (kv_doc[ki] == q_doc[qi]) & (ki < q_anchor[qi])
-            return context | (kv_blk[ki] == q_blk[qi])
+            own = kv_blk[ki] == q_blk[qi]
+            return context | ((own & (ki <= T + qi)) if causal else own)
         self.mask = block_mask(mask_mod, None, None, Q, T + Q, device=dev)
 
     def attend(self, q, k, v, scale):
@@ -45,8 +47,8 @@ class PerDocumentBlocks:
     """CPU: per document holding anchors, its blocks against its context only (speculators' dense mask would cost
     every block x the packed length). The bookkeeping runs on the host."""
 
-    def __init__(self, doc, anchors, bs):
-        self.T, self.bs = doc.numel(), bs
+    def __init__(self, doc, anchors, bs, causal=False):
+        self.T, self.bs, self.causal = doc.numel(), bs, causal
         doc, anchors = doc.cpu(), anchors.cpu()
         starts = torch.cat([torch.tensor([0]), (doc[1:] != doc[:-1]).nonzero().squeeze(-1) + 1])
         of = torch.searchsorted(starts, anchors, right=True) - 1  # each anchor's document
@@ -62,10 +64,10 @@ class PerDocumentBlocks:
     def attend(self, q, k, v, scale):
         rep = q.shape[0] // k.shape[0]
         k, v = k.repeat_interleave(rep, dim=0), v.repeat_interleave(rep, dim=0)
-        return block_attention(q, k, v, self.T, self.docs, self.bs, scale)
+        return block_attention(q, k, v, self.T, self.docs, self.bs, scale, self.causal)
 
 
-def block_attention(q, k, v, T, docs, bs, scale):
+def block_attention(q, k, v, T, docs, bs, scale, causal=False):
     """q [h, Q, D] the blocks' queries; k/v [h, T + Q, D] (context, then the blocks); docs: PerDocumentBlocks.docs.
     A block's queries see the context of its document before its anchor and every query of their own block, in one
     softmax."""
@@ -79,6 +81,8 @@ def block_attention(q, k, v, T, docs, bs, scale):
         seen = torch.arange(last - s, device=q.device)[None, :] < rel.to(q.device)[:, None]  # [n, ctx]
         sc = sc.masked_fill(~seen[None, :, None, :], float("-inf"))
         so = torch.einsum("hnqd,hnkd->hnqk", qd, ko) * scale
+        if causal:  # slot i sees slots 0..i of its block
+            so = so.masked_fill(torch.ones(bs, bs, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
         p = torch.softmax(torch.cat([sc, so], -1).float(), -1).to(q.dtype)
         o = torch.einsum("hnqk,hkd->hnqd", p[..., :last - s], vc) + torch.einsum("hnqk,hnkd->hnqd", p[..., last - s:], vo)
         out[:, b0 * bs:b1 * bs] = o.reshape(h, n * bs, D)

@@ -37,6 +37,7 @@ class DFlashGeometry(Geometry):
     block_size: int
     num_aux: int
     mask_token_id: int
+    causal: bool = False  # a slot sees only the slots before it in its block (speculators' DFlash default)
 
 
 class BlockAttention(nn.Module):
@@ -151,7 +152,7 @@ class DFlashDraft(nn.Module):
         block_pos = (pos[anchors][:, None] + offsets[None]).reshape(-1)
         rope_ctx = rope_cos_sin(pos, g.head_dim, g.rope_theta, x.dtype)
         rope_block = rope_cos_sin(block_pos, g.head_dim, g.rope_theta, x.dtype)
-        plan = block_plan(doc, anchors, bs)
+        plan = block_plan(doc, anchors, bs, g.causal)
         for layer in self.layers:
             x = layer(x, ctx, rope_ctx, rope_block, plan)
         return self.lm_head(self.norm(x))
@@ -214,7 +215,8 @@ def trainable_count(g):
 def geometry_note(g):
     """One line for logs and dry runs."""
     params = trainable_count(g)
-    return (f"DFlash: {g.num_layers} layers, block {g.block_size}, heads {g.num_heads}/{g.num_kv_heads} x "
+    causal = " (causal)" if g.causal else ""
+    return (f"DFlash: {g.num_layers} layers, block {g.block_size}{causal}, heads {g.num_heads}/{g.num_kv_heads} x "
             f"{g.head_dim}, MLP {g.intermediate_size}, {params / 1e6:.1f}M trainable, mask token {g.mask_token_id}")
 
 
@@ -254,9 +256,9 @@ def dflash_config(g, aux_ids, verifier_name, verifier_config):
     conf = DFlashSpeculatorConfig(
         transformer_layer_config=layer, draft_vocab_size=g.draft_vocab_size, block_size=g.block_size,
         aux_hidden_state_layer_ids=list(aux_ids), mask_token_id=g.mask_token_id, sample_from_anchor=False,
-        # non-causal within the block, as trained: vLLM (0.32 and 0.33) serves every layer causally when this is
-        # false (speculators' default), though speculators itself trains full-attention layers non-causally
-        sliding_window_non_causal=True,
+        # the block as trained: vLLM (0.32 and 0.33) serves every layer causally when this is false (speculators'
+        # default), though speculators itself trains full-attention layers non-causally
+        sliding_window_non_causal=not g.causal,
         speculators_config=SpeculatorsConfig(
             algorithm="dflash", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=g.block_size - 1)],
             default_proposal_method="greedy", verifier=VerifierConfig(name_or_path=verifier_name, architectures=archs)))
@@ -270,7 +272,7 @@ class DFlashMethod(DraftMethod):
     --draft-layers Qwen3 layers; speculators' export layout only."""
     name = "dflash"
     shift = 0
-    options = ("max_anchors", "block_loss", "block_weights", "block_decay_gamma", "dpace_alpha")
+    options = ("max_anchors", "block_loss", "block_weights", "block_decay_gamma", "dpace_alpha", "block_attention")
     needs_speculators = True
     validation_args = ("all",)  # every block a loss-masked position can anchor (a sample of them would be noise)
 
@@ -279,7 +281,8 @@ class DFlashMethod(DraftMethod):
         if log:
             log.info("DFlash mask token: id %d, %s", mask_id, why)
         return DFlashGeometry(**shared, draft_vocab_size=draft_vocab, num_aux=num_aux, num_layers=cfg.draft_layers or 5,
-                              block_size=cfg.block_size, mask_token_id=mask_id)
+                              block_size=cfg.block_size, mask_token_id=mask_id,
+                              causal=cfg.block_attention == "causal")
 
     def geometry_class(self):
         return DFlashGeometry
@@ -313,8 +316,8 @@ class DFlashMethod(DraftMethod):
         return [conf["block_size"] - 1]
 
     def trained_fields(self, g, params):
-        return dict(num_layers=g["num_layers"], causal=[False] * g["num_layers"], mask_token_id=g["mask_token_id"],
-                    drafted_tokens=g["block_size"] - 1)
+        return dict(num_layers=g["num_layers"], causal=[g.get("causal", False)] * g["num_layers"],
+                    mask_token_id=g["mask_token_id"], drafted_tokens=g["block_size"] - 1)
 
     def served_fields(self, hf, raw):
         from vllm.model_executor.models.qwen3_dflash import _dflash_layer_causal
