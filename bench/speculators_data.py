@@ -6,6 +6,7 @@ trainer on exactly our hidden states and vocabulary; bench/speculators_anchor.sh
 
 OUT/ becomes an HF datasets folder (speculators' --data-path) (input_ids, loss_mask, seq_len; our training split first, then our validation
 split, so that `speculators train --train-data-ratio R` holds out exactly the samples stage 4 holds out),
+OUT/rows.pt holds the same columns (for bench/speculators_train.py where `datasets` is missing),
 OUT/hidden_states/hs_{row}.safetensors links to WORK/hidden_states/hs_{idx} (the same file layout: aux layers, then
 the final state), OUT/d2t.npy and OUT/t2d.npy copy WORK/vocab/. Prints R and the verifier folder as shell lines.
 """
@@ -15,6 +16,7 @@ import shutil
 import sys
 from pathlib import Path
 
+import torch
 from safetensors import safe_open
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -36,7 +38,6 @@ def main():
     ap.add_argument("--val-fraction", type=float, default=0.05)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
-    from datasets import Dataset
     hs_man = json.loads((a.work / "hidden_states" / "manifest.json").read_text())
     records = [json.loads(line) for line in (a.work / "prepared" / "tokenized_data.jsonl").open()]
     bad = {int(i) for i in hs_man["counts"].get("bad_samples") or {}}
@@ -58,9 +59,14 @@ def main():
         link = hs / f"hs_{row}.safetensors"
         link.unlink(missing_ok=True)
         link.symlink_to(src)
-    ds = Dataset.from_dict(rows)
-    ds.set_format(type="torch")
-    ds.save_to_disk(str(a.out))  # speculators: load_from_disk(--data-path), its hidden_states/ inside
+    torch.save(rows, a.out / "rows.pt")  # for bench/speculators_train.py's stand-in where `datasets` is missing
+    try:
+        from datasets import Dataset
+        ds = Dataset.from_dict(rows)
+        ds.set_format(type="torch")
+        ds.save_to_disk(str(a.out))  # speculators: load_from_disk(--data-path), its hidden_states/ inside
+    except ImportError:
+        print("# no `datasets` here: rows.pt only", file=sys.stderr)
     for name in ("d2t.npy", "t2d.npy"):
         shutil.copy(a.work / "vocab" / name, a.out / name)
     # int(n * R) == len(train): speculators' split boundary

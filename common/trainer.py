@@ -249,6 +249,9 @@ class Trainer:
     def train(self):
         cfg, st = self.cfg, self.state
         self.model.train()
+        if cfg.compile and self.device.type == "cuda" and st["step"] == 0:  # else a silent log for minutes
+            self.log.info("step 1 compiles the GPU kernels (torch.compile: ~2 min at Kimi width, seconds for small "
+                          "drafts); its line follows")
         last_log, window = time.time(), self._window()
         while st["epoch"] < cfg.epochs and st["step"] < self.total_steps:
             bins = self.epoch_bins[st["epoch"]]
