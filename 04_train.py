@@ -32,7 +32,7 @@ from common.train_preflight import checkpoint_disk, micro_batch_memory, read_inp
 from common.checkpoints import latest_checkpoint, load_weights
 from common.distributed import dist_setup
 from common.metrics import plot_curves
-from common.trainer import Trainer, method_shift, plan_epochs
+from common.trainer import RESUME_KEYS, Trainer, method_shift, plan_epochs
 
 
 def set_threads(cfg, device, log):
@@ -136,10 +136,7 @@ def finish(cfg, log, model, g, layer_ids, model_dir, text_cfg, state, val_rows, 
         diffs = compare_with_reference(shapes, cfg.reference_config)
         log.info("reference %s: %s", cfg.reference_config, "names and shapes identical" if not diffs else
                  f"{len(diffs)} differences:\n  " + "\n  ".join(diffs))
-    params = {o: cfg[o] for o in ("epochs", "max_steps", "ttt_steps", "ttt_decay", "lr", "warmup_steps",
-                                  "weight_decay", "grad_clip", "grad_accum", "max_tokens_per_step", "seed",
-                                  "val_fraction", "export_format", "hidden_noise", "train_lm_head", "draft_method",
-                                  "block_size", "max_anchors", "block_loss", "block_weights",
+    params = {o: cfg[o] for o in (*RESUME_KEYS, "grad_accum", "export_format", "draft_method",
                                   *method_of(cfg).options)}
     params["positions"] = k  # per-position metrics: TTT steps, or a DFlash block's drafted tokens
     write_manifest(out, "train", dict(params, layer_ids=layer_ids, geometry=g.to_dict()),

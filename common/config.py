@@ -115,6 +115,10 @@ OPTIONS = [
     Opt("lr", float, 1e-4, "peak learning rate", stages="4", range="(0, inf)"),
     Opt("warmup_steps", int, 0, "linear warmup steps", stages="4", range="[0, inf)"),
     Opt("weight_decay", float, 0.0, "AdamW weight decay", stages="4", range="[0, inf)"),
+    Opt("optimizer", str, "adamw", "adamw, or muon: Muon over the draft's hidden weight matrices and AdamW over the "
+        "rest (speculators' DFlash default; one --lr for both)", stages="4", choices=("adamw", "muon")),
+    Opt("lr_schedule", str, "cosine", "decay after the warm-up, to 0 at the last step: cosine, or linear "
+        "(speculators' default)", stages="4", choices=("cosine", "linear")),
     Opt("hidden_noise", float, 0.0, "training only: Gaussian noise added to the verifier states the draft reads, std "
         "as a fraction of each state's RMS (a regulariser where data are few)", stages="4", range="[0, inf)"),
     Opt("train_lm_head", _bool, False, "also train the draft lm_head (it starts as the verifier's rows of the draft "
@@ -364,5 +368,8 @@ def _validate(cfg):
             if why:
                 where = f" (from {cfg.config_file})" if cfg.source.get(o.name) == "config" else ""
                 raise UsageError(why + where)
+    if cfg.get("optimizer") == "muon" and cfg.get("parallel") == "fsdp":
+        raise UsageError("--optimizer muon does not run with --parallel fsdp yet (its checkpoints gather AdamW's state "
+                         "only); use --parallel ddp, or --optimizer adamw")
     if cfg.shard_index >= cfg.num_shards:
         raise UsageError(f"--shard-index must be in [0, --num-shards), got {cfg.shard_index} of {cfg.num_shards}")

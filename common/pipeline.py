@@ -82,7 +82,7 @@ def report(cfg):
     if timings:
         lines += ["", f"Total wall time: {sum(timings.values()) / 60:.1f} min"]
     if t and t.get("best_validation"):
-        bv, k = t["best_validation"], t["params"].get("positions", t["params"]["ttt_steps"])
+        bv, k = t["best_validation"], t["params"].get("positions") or t["params"]["ttt_steps"]
         lines += ["", "## Validation accuracy per TTT position", "", "| position | full | conditional |", "|---|---|---|"]
         lines += [f"| {i} | {bv[f'full_acc_{i}']:.3f} | {bv[f'cond_acc_{i}']:.3f} |" for i in range(k)]
     if (work / "train" / "curves.png").is_file():

@@ -14,27 +14,20 @@ from common.drafts.layers import take_embedding
 from common.drafts.losses import compile_loss
 from common.errors import UsageError
 from common.log import fmt_duration
+from common.optim import build_optimizer, lr_lambda
 from common.metrics import accumulate, merge_sums, peak_memory_gb, summarize
 from common.precision import autocast, cpu_compiler_found, use_bf16
 from common.train_data import PACKING, SPLIT, make_loader, pack, shifted_len, to_device
 
 
-def lr_lambda(warmup, total):
-    def f(step):
-        if step < warmup:
-            return (step + 1) / max(warmup, 1)
-        progress = (step - warmup) / max(total - warmup, 1)
-        return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-    return f
-
-
 def with_later_defaults(saved, now, geometry):
-    """A checkpoint's settings with those added since it was written (absent there) at the value they had then, each
-    option's default: a run started before an option existed resumes (where it is not set otherwise)."""
+    """A checkpoint's settings as this version records them: those added since it was written (absent there) at the
+    value they had then, each option's default, so a run started before an option existed resumes (where it is not
+    set otherwise); those no longer recorded (another method's options) left out."""
     from dataclasses import MISSING, fields
 
     from common.config import BY_NAME
-    saved = dict(saved)
+    saved = {k: saved[k] for k in now if k in saved}
     for k, v in now.items():
         if k not in saved and k in BY_NAME and BY_NAME[k].default == v:
             saved[k] = v
@@ -54,9 +47,8 @@ def add_noise(aux, scale, num_aux):
 
 
 # grad_accum is not among them: a resume on another number of ranks keeps the global batch (ranks x accumulation)
-RESUME_KEYS = ("epochs", "max_steps", "lr", "warmup_steps", "weight_decay", "grad_clip", "max_tokens_per_step", "ttt_steps", "ttt_decay", "seed", "val_fraction", "hidden_noise", "max_anchors",
-               "block_loss", "block_weights", "block_decay_gamma", "dpace_alpha",
-               "train_lm_head")
+RESUME_KEYS = ("epochs", "max_steps", "lr", "warmup_steps", "weight_decay", "grad_clip", "max_tokens_per_step", "seed",
+               "val_fraction", "optimizer", "lr_schedule", "hidden_noise", "train_lm_head")  # + the method's options
 
 
 def method_shift(cfg):
@@ -110,17 +102,17 @@ class Trainer:
         # the model as the ranks run it: itself (one process, or FSDP, which shards it in place) or its DDP wrapper
         self.parallel_model = wrap_parallel(model, device, world, cfg.parallel)
         self.grad_accum = self._accumulation(cfg.grad_accum)
-        self.opt = torch.optim.AdamW(model.trainable_parameters(), lr=cfg.lr, betas=(0.9, 0.95),
-                                     weight_decay=cfg.weight_decay, fused=device.type == "cuda")
+        self.opt = build_optimizer(model, cfg, device)  # AdamW, or Muon + AdamW (common/optim.py)
         self.epoch_bins = plan_epochs(train_idx, lengths, cfg, world, self.grad_accum)
         self.total_steps = sum(len(b) // (world * self.grad_accum) for b in self.epoch_bins)
         if cfg.max_steps:
             self.total_steps = min(self.total_steps, cfg.max_steps)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg.warmup_steps, self.total_steps))
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(cfg.warmup_steps, self.total_steps,
+                                                                         cfg.lr_schedule))
         # validation packed per group (val_groups: name -> sample indices), reported overall and per group
         self.val_sets = {name: pack(idx, lengths, cfg.max_tokens_per_step, cfg.seed, 0, shift=self.shift)
                          for name, idx in (val_groups or {"all": val_idx}).items() if idx}
-        self.settings = {k: cfg[k] for k in RESUME_KEYS + tuple(k for k in self.method.options if k not in RESUME_KEYS)}
+        self.settings = {k: cfg[k] for k in RESUME_KEYS + self.method.options}
         self.settings["geometry"] = model.g.to_dict()
         self.settings["draft_method"] = cfg.draft_method  # a checkpoint of one method is not resumed as another
         self.settings["optimizer_layout"] = "fsdp" if self.fsdp else "plain"  # their saved states differ

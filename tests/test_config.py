@@ -32,6 +32,10 @@ def test_bad_values_refused():
         parse_config(1, "t", ["--num-samples", "many"])
     with pytest.raises(UsageError, match="--hidden-noise must be >= 0"):
         parse_config(4, "t", ["--hidden-noise", "-0.1"])
+    with pytest.raises(UsageError, match="invalid choice: 'adam'"):
+        parse_config(4, "t", ["--optimizer", "adam"])
+    with pytest.raises(UsageError, match="--optimizer muon does not run with --parallel fsdp"):
+        parse_config(4, "t", ["--optimizer", "muon", "--parallel", "fsdp"])
 
 
 def test_every_stage_accepts_every_option():
