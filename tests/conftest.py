@@ -201,6 +201,19 @@ def greedy_gaps(folder, work, k):
     return worst
 
 
+def usage_error(proc):
+    """A refused command, as a user sees it: exit 2, no traceback, a last line "error: ..." -> that line."""
+    assert proc.returncode == 2 and "Traceback" not in proc.output, proc.output[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: "), proc.stderr[-2000:]
+    return last
+
+
+def manifest(work, sub):
+    """A stage's manifest.json in work/sub."""
+    return json.loads((work / sub / "manifest.json").read_text())
+
+
 # stage 4's shared run: a draft overfit on a few real samples (tests/test_train*.py)
 VOCAB = ["--draft-vocab-size", 1024]
 # fp32 (--amp off): the capacity check; bf16 memorises the same data less exactly in 60 epochs (mean

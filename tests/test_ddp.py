@@ -121,7 +121,7 @@ def resume_on_one_rank(work, uninterrupted, last):
     proc = run_script("04_train.py", "--work-dir", work, *ARGS, "--grad-accum", 1)  # as a user would, on 1 process
     assert proc.returncode == 0, proc.output[-3000:]
     assert "resuming a run of 2 ranks on 1 rank: 2 micro-batches per rank per step (--grad-accum 1 asked)" in proc.output
-    assert f"resumed from" in proc.output and f"step {last - 1}," in proc.output
+    assert "resumed from" in proc.output and f"step {last - 1}," in proc.output
     assert sequences(work) == seen
     after = weights(work, last)
     for k in uninterrupted:

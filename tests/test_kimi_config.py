@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from conftest import ROOT, greedy_gaps, offline_hub, run_script, train_longer_and_serve
+from conftest import greedy_gaps, manifest, offline_hub, ROOT, run_script, train_longer_and_serve, usage_error
 
 CONFIG = "configs/kimi-k2.5.yaml"
 HUB_ID = "moonshotai/Kimi-K2.5"  # the config's own verifier
@@ -46,9 +46,6 @@ def hub_run(hub, tmp_path_factory):
     assert sorted(p.name for p in work.iterdir()) == ["rehearsal"]  # the real run's folder holds nothing else
     return work / "rehearsal"
 
-
-def manifest(work, sub):
-    return json.loads((work / sub / "manifest.json").read_text())
 
 
 def test_the_shipped_kimi_config_runs_end_to_end_with_its_hub_id(hub, hub_run):
@@ -95,7 +92,7 @@ def test_a_hub_verifier_without_its_final_norm_is_refused_by_every_dry_run(hub, 
     for script in ("01_prepare_dataset.py", "03_build_vocab_mapping.py", "05_evaluate.py"):
         proc = run_script(script, "--config", CONFIG, "--work-dir", hub_run, *SIZES[:-1], "--verifier", "acme/kimi-no-norm",
                           "--dry-run", env=env)
-        assert proc.returncode == 2 and "Traceback" not in proc.output, (script, proc.output[-2000:])
+        usage_error(proc)
         assert "cannot find the verifier's norm.weight in the safetensors of" in proc.stderr, (script, proc.stderr)
     proc = run_script("01_prepare_dataset.py", "--config", CONFIG, "--work-dir", hub_run, *SIZES[:-1], "--verifier",
                       "acme/not-cached", "--dry-run", env=env)

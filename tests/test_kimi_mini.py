@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from common.hidden_states import read_sample
-from conftest import ROOT, greedy_gaps, run_script
+from conftest import greedy_gaps, manifest, ROOT, run_script, usage_error
 
 CONFIG = "configs/kimi-k2.5-mini.yaml"
 # 12 samples pack into one sequence: a step an epoch; 20 at lr 2e-3 train a draft that vLLM accepts
@@ -29,9 +29,6 @@ def kimi_run(tmp_path_factory):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return work
 
-
-def manifest(work, sub):
-    return json.loads((work / sub / "manifest.json").read_text())
 
 
 def test_pipeline_regenerates_extracts_trains_exports_and_serves(kimi_run):
@@ -157,7 +154,7 @@ def test_layer_ids_vllm_cannot_take_are_refused_before_any_load(kimi_run):
     for ids, needle in [("0,4,5,8", "aux id 0 crashes vLLM"), ("4,2,5,8", "ascending order, 2,4,5,8")]:
         proc = run_script("02_extract_hidden_states.py", "--config", CONFIG, "--work-dir", kimi_run,
                           "--layer-ids", ids, "--dry-run")
-        assert proc.returncode == 2 and "Traceback" not in proc.output, proc.output[-2000:]
+        usage_error(proc)
         assert needle in proc.stderr.strip().splitlines()[-1]
 
 

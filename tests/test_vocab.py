@@ -5,7 +5,7 @@ from collections import Counter
 import numpy as np
 
 from common.vocab import coverage, mapping_arrays, select_draft_vocab
-from conftest import run_script, write_jsonl
+from conftest import run_script, usage_error, write_jsonl
 
 
 def test_offsets_round_trip_and_ties():
@@ -54,7 +54,7 @@ def test_script_counts_padding_and_full_vocab(tmp_path, verifier_dir, tokenizer)
     assert man["counts"]["full_vocabulary"] and not (work / "vocab" / "d2t.npy").exists()
     # larger than the verifier's vocabulary: a typo, refused before anything is written
     proc = run_script("03_build_vocab_mapping.py", "--work-dir", work, "--draft-vocab-size", 60000)
-    assert proc.returncode == 2 and "Traceback" not in proc.output
+    usage_error(proc)
     assert "exceeds the verifier's vocabulary of 49152; pass 49152" in proc.stderr.strip().splitlines()[-1]
     assert json.loads((work / "vocab" / "manifest.json").read_text())["counts"]["full_vocabulary"]
 
