@@ -9,7 +9,7 @@
 #                                      (bench/simulate_validation.py); both packed into $OUT as 15 MiB parts
 # Needs /tmp/site (speculators and its dependencies, installed the call before, as for bench/ab_device.sh) and the
 # verifier's GGUF in two parts (/tmp/gg1/part00 stashed by an earlier call, .gg2/part01 carried). Here afterwards:
-#   cat OUT/anchor.tar.part-* | tar x -C runs/anchor; bench/draft_transport.py unpack ...; bench/ab_serve.sh
+#   python bench/anchor_runs.py FILES_DIR runs/ab    (run folders for stage 5), then 05_evaluate.py on each
 set -uo pipefail
 cd "$(dirname "$0")/.."
 phase=${1:?usage: bench/speculators_anchor.sh ref|ours}
@@ -56,10 +56,19 @@ echo "== stage 4's validation of both (ours: its exported best; the reference: e
 python3 bench/simulate_validation.py "$w/final_draft" --config "$cfg" --work-dir "$w" "${ours[@]}" 2>&1 | grep "validation @\|Error"
 python3 bench/simulate_validation.py "$r/final_draft" --config "$cfg" --work-dir "$w" "${ours[@]}" \
   --block-attention causal 2>&1 | grep "validation @\|Error\|loaded"
-mkdir -p "$A/packs"
-python3 bench/draft_transport.py pack "$A/packs" "$w" "$r"
-cp "$A/ours.log" "$A/ref.log" "$A/data.env" "$A/packs/"
-cp "$w/final_draft/simulated_validation.json" "$A/packs/ours.simulated.json"
-cp "$r/final_draft/simulated_validation.json" "$A/packs/ref.simulated.json"
-tar cf - -C "$A" packs | split -b 15M - "$OUT/anchor.tar.part-"
+p=$A/packs; rm -rf "$p"; mkdir -p "$p"
+python3 bench/draft_transport.py pack "$p" "$r"
+if [[ -f $w/final_draft/model.safetensors ]]; then
+  python3 bench/draft_transport.py pack "$p" "$w"
+  cp "$w/final_draft/simulated_validation.json" "$p/ours.simulated.json"
+else  # stopped by the limit: its latest checkpoint's weights in bf16 (bench/anchor_runs.py exports them there)
+  ck=$(ls -d "$w"/train/checkpoints/step_* | sort -t_ -k2 -n | tail -1)
+  python3 -c "import sys, torch; from safetensors.torch import load_file, save_file
+save_file({k: v.bfloat16() if v.is_floating_point() else v for k, v in load_file(sys.argv[1]).items()}, sys.argv[2])" \
+    "$ck/trainable.safetensors" "$p/ours.checkpoint.safetensors"
+  cp "$ck/meta.json" "$p/ours.checkpoint.meta.json"
+fi
+cp "$A/ours.log" "$A/ref.log" "$A/data.env" "$w/train/metrics.jsonl" "$p/"
+cp "$r/final_draft/simulated_validation.json" "$p/ref.simulated.json"
+tar cf - -C "$A" packs | split -b 15M - "$OUT/anchor.tar.part-"  # 8 files of 16 MiB come back: ~100 MiB
 ls -la "$OUT"
