@@ -6,6 +6,7 @@
 #   bench/first_step.sh OUT_DIR [LIMIT_S] [LAYERS ...] [-- 04_train options]   (default: 240 s, layers 6)
 set -uo pipefail
 cd "$(dirname "$0")/.."
+export PYTHONPATH=${PYTHONPATH:-/tmp/site}  # DFlash's export needs speculators (the device installs it there)
 out=${1:?usage: bench/first_step.sh OUT_DIR [LIMIT_S] [LAYERS ...] [-- options]}; limit=${2:-240}
 shift $(( $# < 2 ? $# : 2 ))
 layers=(); while (( $# )) && [[ $1 != -- ]]; do layers+=("$1"); shift; done; [[ ${1:-} == -- ]] && shift
