@@ -6,8 +6,9 @@ the anchor token and block_size - 1 mask tokens; slot i predicts the token at a 
 
   fc + hidden_norm:  [aux_1 | .. | aux_n] (nH) -> H, the context c_t for every position t
   layers (Qwen3):    queries from the block's stream; keys/values from [c_t for t < a in a's document | the
-                     block's own stream] (non-causal within the block); q/k RMS-normed per head, RoPE at the
-                     context's positions and a + i for slot i
+                     block's own stream] (all of the block, or with --block-attention causal the slots up to
+                     the query's); q/k RMS-normed per head, RoPE at the context's positions and a + i
+                     for slot i
   norm + lm_head:    the block's logits; the target of slot i is the verifier's distribution at a + i - 1
                      (verifier_lm_head(verifier_norm(h_N))), restricted to the draft vocabulary
 Loss at loss-masked slots 1..block_size-1: cross-entropy to the verifier's top token (speculators' DFlash recipe)
@@ -268,8 +269,8 @@ def dflash_config(g, aux_ids, verifier_name, verifier_config):
 
 
 class DFlashMethod(DraftMethod):
-    """A block of --block-size tokens (the anchor and its drafts) per forward of a non-causal stack of
-    --draft-layers Qwen3 layers; speculators' export layout only."""
+    """A block of --block-size tokens (the anchor and its drafts) per forward of a stack of --draft-layers Qwen3
+    layers, bidirectional within the block unless --block-attention causal; speculators' export layout only."""
     name = "dflash"
     shift = 0
     options = ("max_anchors", "block_loss", "block_weights", "block_decay_gamma", "dpace_alpha", "block_attention")
