@@ -175,6 +175,7 @@ def test_a_checkpoint_the_disk_cannot_hold_stops_in_one_line_and_keeps_the_last(
     code = f"""
 import resource, signal, sys, torch
 sys.path.insert(0, {str(ROOT)!r})
+from pathlib import Path
 from common.checkpoints import latest_checkpoint, save_checkpoint
 from common.errors import UsageError
 opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(4))])
