@@ -19,12 +19,11 @@ from safetensors.torch import load_file
 
 from common.errors import UsageError, run_main
 from common.export import compare_with_reference, export_draft, serve_command
-from common.prepare import conversation_id, validation_groups
+from common.prepare import split_by_conversation, validation_groups
 from common.hidden_states import check_files
 from common.io import write_manifest
 from common.models import load_tokenizer, open_verifier
 from common.stage import ensure_writable, start
-from common.train_data import split_samples
 from common.build_draft import build_model, geometry, trainable_parameters
 from common.drafts import method_of
 from common.train_preflight import checkpoint_disk, micro_batch_memory, read_inputs, refuse_oversized, \
@@ -75,8 +74,7 @@ def main():
         raise UsageError(f"the longest sample has {longest} tokens, more than --max-tokens-per-step "
                          f"{cfg.max_tokens_per_step} holds; raise it to at least {longest - shift}")
     present = sorted(lengths)
-    train_idx, val_idx = split_samples(present, cfg.val_fraction, cfg.seed,
-                                       lambda i: conversation_id(records[i]["id"]))
+    train_idx, val_idx = split_by_conversation(records, present, cfg.val_fraction, cfg.seed)
     bins = plan_epochs(train_idx, lengths, cfg, world)  # enough packed sequences for ranks x accumulation?
     need, have = micro_batch_memory(cfg, g, min(longest, cfg.max_tokens_per_step), device)
     log.info("plan: %d train / %d validation samples (%d tokens), draft hidden %d, heads %d/%d x %d, MLP %d, "

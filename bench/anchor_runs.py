@@ -28,8 +28,7 @@ from common.build_draft import build_model  # noqa: E402
 from common.drafts.dflash import DFlashGeometry  # noqa: E402
 from common.export import export_draft  # noqa: E402
 from common.models import load_verifier_config  # noqa: E402
-from common.prepare import conversation_id  # noqa: E402
-from common.train_data import split_samples  # noqa: E402
+from common.prepare import split_by_conversation  # noqa: E402
 
 
 def link_inputs(run, w):
@@ -46,18 +45,19 @@ def ours_from_checkpoint(packs, run, w, model_dir):
     model = build_model(g, model_dir, d2t + np.arange(len(d2t)))
     model.load_state_dict({k: v.float() for k, v in load_file(str(packs / "ours.checkpoint.safetensors")).items()},
                           strict=False)
+    layer_ids = json.loads((w / "hidden_states" / "manifest.json").read_text())["params"]["layer_ids"]
     export_draft(model, run / "final_draft", SimpleNamespace(export_format="speculators", ttt_steps=3),
-                 [2, 15, 27], model_dir, load_verifier_config(model_dir), {})
+                 layer_ids[:-1], model_dir, load_verifier_config(model_dir), {})
     val = [json.loads(line) for line in (packs / "metrics.jsonl").read_text().splitlines() if '"val"' in line]
     params = {**{k: v for k, v in meta["settings"].items() if k != "geometry"}, "geometry": g.to_dict(),
-              "layer_ids": [2, 15, 27, 30], "positions": g.block_size - 1}
+              "layer_ids": layer_ids, "positions": g.block_size - 1}
     write_manifest(run, params, val[-1] if val else None, held_out(w, params["val_fraction"], params["seed"]))
 
 
 def held_out(w, fraction, seed):
     """Stage 4's validation split of W's samples (the same for both drafts)."""
     records = [json.loads(line) for line in (w / "prepared" / "tokenized_data.jsonl").open()]
-    return split_samples(range(len(records)), fraction, seed, lambda i: conversation_id(records[i]["id"]))[1]
+    return split_by_conversation(records, range(len(records)), fraction, seed)[1]
 
 
 def write_manifest(run, params, best, val_samples):

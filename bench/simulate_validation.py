@@ -22,9 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common.build_draft import build_model, geometry  # noqa: E402
 from common.drafts import method_of  # noqa: E402
 from common.models import load_tokenizer, open_verifier  # noqa: E402
-from common.prepare import conversation_id, validation_groups  # noqa: E402
+from common.prepare import split_by_conversation, validation_groups  # noqa: E402
 from common.stage import start  # noqa: E402
-from common.train_data import split_samples  # noqa: E402
 from common.train_preflight import read_inputs  # noqa: E402
 from common.trainer import Trainer  # noqa: E402
 
@@ -45,8 +44,7 @@ def main():
     hs = work / "hidden_states"
     lengths = {i: len(r["input_ids"]) for i, r in enumerate(records)
                if i not in bad and (hs / f"hs_{i}.safetensors").exists()}  # all of them, after stage 2
-    train_idx, val_idx = split_samples(sorted(lengths), cfg.val_fraction, cfg.seed,
-                                       lambda i: conversation_id(records[i]["id"]))
+    train_idx, val_idx = split_by_conversation(records, sorted(lengths), cfg.val_fraction, cfg.seed)
     model = build_model(g, model_dir, d2t + np.arange(len(d2t)))
     weights = method_of(cfg).import_weights(load_file(str(draft / "model.safetensors")))
     missing, unexpected = model.load_state_dict({k: v.float() if v.is_floating_point() else v

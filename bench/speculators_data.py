@@ -20,8 +20,7 @@ import torch
 from safetensors import safe_open
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from common.prepare import conversation_id  # noqa: E402
-from common.train_data import split_samples  # noqa: E402
+from common.prepare import split_by_conversation  # noqa: E402
 
 
 def read_tokens(path):
@@ -45,7 +44,7 @@ def main():
     if len(present) + len(bad) < len(records):
         print(f"# only {len(present)} of {len(records)} samples have hidden states here", file=sys.stderr)
     # the split 04_train.py makes (same fraction, seed and conversation grouping)
-    train, val = split_samples(present, a.val_fraction, a.seed, lambda i: conversation_id(records[i]["id"]))
+    train, val = split_by_conversation(records, present, a.val_fraction, a.seed)
     order = train + val
     hs = a.out / "hidden_states"
     hs.mkdir(parents=True, exist_ok=True)

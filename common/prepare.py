@@ -245,6 +245,13 @@ def conversation_id(sample_id):
     return sample_id.removesuffix(DATASET_ANSWER)
 
 
+def split_by_conversation(records, present, val_fraction, seed):
+    """Stage 4's fixed train/validation split of the samples `present` -> (train, val): a conversation's two
+    answers stay on one side (common.train_data.split_samples)."""
+    from common.train_data import split_samples
+    return split_samples(present, val_fraction, seed, lambda i: conversation_id(records[i]["id"]))
+
+
 def validation_groups(records, val_idx, regenerated):
     """Held-out samples by whose answer they hold: the verifier's own (regenerated; what serving sees, so their
     simulated acceptance is the one vLLM should reproduce) or the dataset's. None unless both are present."""

@@ -72,6 +72,7 @@ def block_attention(q, k, v, T, docs, bs, scale, causal=False):
     A block's queries see the context of its document before its anchor and every query of their own block, in one
     softmax."""
     out = torch.empty_like(q)
+    later = torch.ones(bs, bs, dtype=torch.bool, device=q.device).triu(1) if causal else None  # slot i sees 0..i
     for b0, b1, s, last, rel in docs:
         n, h, D = b1 - b0, q.shape[0], q.shape[-1]
         qd = q[:, b0 * bs:b1 * bs].view(h, n, bs, D)
@@ -81,8 +82,8 @@ def block_attention(q, k, v, T, docs, bs, scale, causal=False):
         seen = torch.arange(last - s, device=q.device)[None, :] < rel.to(q.device)[:, None]  # [n, ctx]
         sc = sc.masked_fill(~seen[None, :, None, :], float("-inf"))
         so = torch.einsum("hnqd,hnkd->hnqk", qd, ko) * scale
-        if causal:  # slot i sees slots 0..i of its block
-            so = so.masked_fill(torch.ones(bs, bs, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+        if causal:
+            so = so.masked_fill(later, float("-inf"))
         p = torch.softmax(torch.cat([sc, so], -1).float(), -1).to(q.dtype)
         o = torch.einsum("hnqk,hkd->hnqd", p[..., :last - s], vc) + torch.einsum("hnqk,hnkd->hnqd", p[..., last - s:], vo)
         out[:, b0 * bs:b1 * bs] = o.reshape(h, n * bs, D)
