@@ -160,3 +160,18 @@ def test_the_schedules_decay_to_zero_after_the_warmup():
     assert [cos(0), cos(1), lin(0), lin(1)] == [0.5, 1.0, 0.5, 1.0]
     assert lin(6) == pytest.approx(0.5) and cos(6) == pytest.approx(0.5) and cos(4) > lin(4)
     assert lin(10) == cos(10) == 0.0 and lin(20) == 0.0
+
+
+def test_a_checkpoint_written_before_an_option_existed_resumes_at_its_default():
+    """Settings added since a checkpoint was written count at their defaults (what that version did); another
+    method's options recorded then are ignored; a setting that differs still differs."""
+    from common.drafts.dflash import DFlashGeometry
+    from common.trainer import with_later_defaults
+    g = DFlashGeometry(hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4, intermediate_size=8, rms_norm_eps=1e-6,
+                       rope_theta=1e4, max_position_embeddings=64, verifier_vocab_size=50, draft_vocab_size=20,
+                       num_layers=1, block_size=4, num_aux=3, mask_token_id=1)
+    now = {"lr": 1e-3, "optimizer": "adamw", "block_attention": "bidirectional", "geometry": g.to_dict()}
+    old = {"lr": 1e-3, "ttt_steps": 3, "geometry": {k: v for k, v in g.to_dict().items() if k != "causal"}}
+    assert with_later_defaults(old, now, g) == now
+    assert with_later_defaults(dict(old, lr=2e-3), now, g) != now
+    assert with_later_defaults(old, dict(now, optimizer="muon"), g) != dict(now, optimizer="muon")
