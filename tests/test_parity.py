@@ -182,54 +182,9 @@ def gate(pairs, row, train, prompts, positions, k_max, name):
           f"{row['acceptance_length']} vs simulated {train['acceptance_length']:.4f}")
 
 
-# ---- DFlash: the block draft memorises the same samples; vLLM (method "dflash") serves it ----
-BLOCK = 4
-DFLASH = [*MEMORISE, "--draft-method", "dflash", "--block-size", BLOCK, "--draft-layers", 2, "--max-anchors", 512]
-
-
-def dflash_step_by_step(work, model, d2t):
-    """[(vLLM's accepted count, our block's prediction, q)]: a step whose first draft is answer token q anchors at
-    answer token q - 1 (position P + q - 1)."""
-    from common.prepare import load_prepared
-    _, records = load_prepared(work)
-    outs = [json.loads(l) for l in (work / "eval" / "outputs.jsonl").read_text().splitlines()]
-    pairs, k = [], BLOCK - 1
-    for i, (rec, out) in enumerate(zip(records, outs)):
-        prompt = rec["loss_mask"].index(1)
-        served = out[f"k{k}_ids"]
-        assert served == rec["input_ids"][prompt:prompt + len(served)]
-        predicted = predictions(model, d2t, work / "hidden_states", i, rec["input_ids"], k)
-        q = 1
-        for accepted in out[f"k{k}_accepted_per_step"]:
-            if q + k <= len(served):
-                pairs.append((accepted, predicted[prompt + q][0], q))
-            q += accepted + 1
-    return pairs
-
-
-def test_vllm_accepts_what_the_dflash_draft_predicts(regenerated):
-    from common.metrics import accumulate, summarize
-    from common.parity import load_exported_draft
-    from common.prepare import load_prepared
-    from common.train_data import make_loader, pack, to_device
-    work = train_on(regenerated, "dflash", *DFLASH)
-    evaluate(work, "--draft-method", "dflash")
-    row = json.loads((work / "eval" / "acceptance.json").read_text())["results"][0]
-    prompts = row["prompts"]
-    assert row["num_speculative_tokens"] == BLOCK - 1 and row["outputs_equal_baseline"] == prompts >= 4
-    model, d2t = load_exported_draft(work)
-    pairs = dflash_step_by_step(work, model, d2t)
-    # the trainer's validation maths over every anchor of every sample, against vLLM's per-position acceptance
-    _, records = load_prepared(work)
-    lengths = {i: len(r["input_ids"]) for i, r in enumerate(records)}
-    sums = {}
-    with torch.no_grad():
-        for batch in make_loader(work / "hidden_states", pack(list(lengths), lengths, 256, 0, 0, shift=0), 256, 0,
-                                 shift=0):
-            accumulate(sums, model(to_device(batch, torch.device("cpu"), torch.float32), 512, anchors="all")[1])
-    train = summarize(sums, BLOCK - 1)
-    gate(pairs, row, train, prompts, float(sums["full_total_0"]), BLOCK - 1, f"dflash block {BLOCK}")
-    assert row["acceptance_length"] >= 3.3, (row, train)
+# DFlash's gate is the generalising case below (a memorised DFlash case ran here until 2026-12-04: a memorised block
+# predicts the same under a causal and a bidirectional mask, so it passed while vLLM read our export as causal; it
+# was dropped for the suite's time, ~110 s on a 2-core EPYC)
 
 
 # ---- drafts that generalise: trained a few hundred steps, served on held-out prompts (acceptance well below the
