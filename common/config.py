@@ -166,7 +166,7 @@ OPTIONS = [
     Opt("amp", str, "auto", "training precision: bf16 autocast with fp32 master weights, or off (fp32); auto: bf16 "
         "on GPUs and on CPUs where --dtype auto picks bf16 (the same probe)", stages="4", choices=("auto", "bf16", "off")),
     Opt("compile", _bool, True, "fused kernels via torch.compile: on GPUs norms/SwiGLU/RoPE and block-sparse flex "
-        "attention; on CPUs the loss (needs a C++ compiler, else it runs eager)",
+        "attention (off: per-document attention); on CPUs the loss (needs a C++ compiler, else it runs eager)",
         stages="4", flag=True),
     Opt("num_threads", int, 0, "CPU threads for torch (0 = all cores; training on a GPU: 1, or OMP_NUM_THREADS)",
         stages="45", range="[0, inf)"),

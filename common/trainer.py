@@ -10,7 +10,7 @@ from common.checkpoints import gather_states, latest_checkpoint, load_checkpoint
     save_checkpoint
 from common.distributed import agreed, all_reduce_sums, global_sums, wrap_parallel
 from common.drafts import method_of
-from common.drafts.layers import take_embedding
+from common.drafts.layers import take_embedding, use_flex_on_cuda
 from common.drafts.losses import compile_loss
 from common.errors import UsageError
 from common.log import fmt_duration
@@ -93,6 +93,7 @@ class Trainer:
         self.host_embed = take_embedding(model, self.dtype) if device.type == "cuda" and self.method.host_embedding \
             else None
         self.model = model.to(device)
+        use_flex_on_cuda(cfg.compile)
         if self.bf16:
             self.method.prepare_bf16(model, cfg, device)
         log.info("precision: %s (--amp %s)", "bf16 autocast, fp32 master weights" if self.bf16 else "fp32", cfg.amp)

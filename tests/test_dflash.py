@@ -144,6 +144,22 @@ def test_flex_attention_equals_the_per_document_products(monkeypatch, causal):
     torch.testing.assert_close(runs["flex"][1], runs["sdpa"][1], rtol=1e-5, atol=1e-6)
 
 
+
+def test_no_compile_takes_the_per_document_attention_on_cuda_too(monkeypatch):
+    """flex attention is fast only compiled: `--no-compile` (stage 4 calls use_flex_on_cuda(cfg.compile)) must not
+    leave it on CUDA, where eager it would build the whole Q x KV grid."""
+    from common.drafts import layers
+    monkeypatch.delenv("EAGLE3_ATTN", raising=False)
+    cuda = torch.device("cuda")  # a device name only: nothing runs on it
+    try:
+        assert layers.attention_backend(cuda) == "flex"
+        layers.use_flex_on_cuda(False)
+        assert layers.attention_backend(cuda) == "sdpa"
+        monkeypatch.setenv("EAGLE3_ATTN", "flex")  # an explicit choice still wins
+        assert layers.attention_backend(cuda) == "flex"
+    finally:
+        layers.use_flex_on_cuda(True)
+
 # ---- stage 4 and 5 with --draft-method dflash on real SmolLM2 states (slow: the shared `extracted` run) ----
 
 DFLASH = ["--draft-method", "dflash", "--block-size", 4, "--draft-layers", 2, "--max-anchors", 64,

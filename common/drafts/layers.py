@@ -104,10 +104,19 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+_FLEX_ON_CUDA = True  # off with --no-compile: flex attention is only fast compiled (eager it builds the whole grid)
+
+
+def use_flex_on_cuda(enabled):
+    global _FLEX_ON_CUDA
+    _FLEX_ON_CUDA = enabled
+
+
 def attention_backend(device):
-    """flex attention (compiled, block-sparse) on CUDA; per-document products elsewhere or when EAGLE3_ATTN=sdpa."""
+    """flex attention (compiled, block-sparse) on CUDA; per-document products elsewhere, with --no-compile or when
+    EAGLE3_ATTN=sdpa."""
     want = os.environ.get("EAGLE3_ATTN", "auto")
-    return "flex" if want == "flex" or (want == "auto" and device.type == "cuda") else "sdpa"
+    return "flex" if want == "flex" or (want == "auto" and device.type == "cuda" and _FLEX_ON_CUDA) else "sdpa"
 
 
 _FLEX = None
