@@ -3,7 +3,9 @@
 --optimizer adamw (the default): AdamW over every trainable weight. --optimizer muon: torch's Muon over the draft's
 hidden weight matrices (attention, MLP, fc) and AdamW over the rest (norms, vectors, a trained lm_head), the split
 speculators' trainer makes for its DFlash default (Keller Jordan's: embeddings and heads stay on AdamW); Muon's
-update is scaled to AdamW's RMS (match_rms_adamw), so one --lr serves both.
+update is scaled to AdamW's RMS (match_rms_adamw), so one --lr serves both. Its Newton-Schulz iteration runs in bf16
+where training does (GPUs, AMX CPUs), in fp32 elsewhere: torch's Muon always takes bf16, which a CPU without bf16
+matrix units runs so slowly that a SmolLM2 EAGLE step took 25 s instead of ~2 (a 2-core AVX2 EPYC).
 """
 import math
 
@@ -25,11 +27,46 @@ def muon_split(model):
     return matrices, rest
 
 
+def newton_schulz(g, coefficients, steps, eps, dtype):
+    """torch's Muon orthogonalisation (torch.optim._muon._zeropower_via_newtonschulz) in `dtype`."""
+    a, b, c = coefficients
+    x = g.to(dtype)
+    tall = g.size(0) > g.size(1)
+    x = x.T if tall else x
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+class Muon(torch.optim.Muon):
+    """torch's Muon step (Nesterov momentum, orthogonalised update, decoupled weight decay, its lr adjustment) with
+    the Newton-Schulz iteration in `ns_dtype`; the same state (momentum_buffer) as torch's."""
+
+    def __init__(self, params, ns_dtype, **kw):
+        super().__init__(params, **kw)
+        self.ns_dtype = ns_dtype
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for g in self.param_groups:
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p.grad))
+                buf.lerp_(p.grad, 1 - g["momentum"])
+                update = p.grad.lerp(buf, g["momentum"]) if g["nesterov"] else buf
+                update = newton_schulz(update, g["ns_coefficients"], g["ns_steps"], g["eps"], self.ns_dtype)
+                p.mul_(1 - g["lr"] * g["weight_decay"])
+                p.add_(update, alpha=-g["lr"] * 0.2 * math.sqrt(max(p.shape)))  # match_rms_adamw
+
+
 class MuonAdamW(torch.optim.Optimizer):
     """Muon and AdamW stepped as one optimizer: the scheduler sees both groups, a checkpoint holds both states."""
 
-    def __init__(self, matrices, rest, lr, weight_decay, fused):
-        self.parts = {"muon": torch.optim.Muon(matrices, lr=lr, **MUON)}
+    def __init__(self, matrices, rest, lr, weight_decay, fused, ns_dtype=torch.bfloat16):
+        self.parts = {"muon": Muon(matrices, ns_dtype, lr=lr, **MUON)}
         if rest:
             self.parts["adamw"] = torch.optim.AdamW(rest, lr=lr, betas=BETAS, weight_decay=weight_decay, fused=fused)
         self.defaults, self.state = {"lr": lr}, {}
@@ -56,12 +93,13 @@ class MuonAdamW(torch.optim.Optimizer):
             opt.load_state_dict(state[name])
 
 
-def build_optimizer(model, cfg, device):
+def build_optimizer(model, cfg, device, bf16=True):
+    """bf16: whether training runs bf16 autocast (--amp), which says whether this device's bf16 matmuls are fast."""
     fused = device.type == "cuda"
     params = model.trainable_parameters()
     if cfg.optimizer == "muon":
         matrices, rest = muon_split(model)
-        return MuonAdamW(matrices, rest, cfg.lr, cfg.weight_decay, fused)
+        return MuonAdamW(matrices, rest, cfg.lr, cfg.weight_decay, fused, torch.bfloat16 if bf16 else torch.float32)
     return torch.optim.AdamW(params, lr=cfg.lr, betas=BETAS, weight_decay=cfg.weight_decay, fused=fused)
 
 

@@ -103,7 +103,7 @@ class Trainer:
         # the model as the ranks run it: itself (one process, or FSDP, which shards it in place) or its DDP wrapper
         self.parallel_model = wrap_parallel(model, device, world, cfg.parallel)
         self.grad_accum = self._accumulation(cfg.grad_accum)
-        self.opt = build_optimizer(model, cfg, device)  # AdamW, or Muon + AdamW (common/optim.py)
+        self.opt = build_optimizer(model, cfg, device, self.bf16)  # AdamW, or Muon + AdamW (common/optim.py)
         self.epoch_bins = plan_epochs(train_idx, lengths, cfg, world, self.grad_accum)
         self.total_steps = sum(len(b) // (world * self.grad_accum) for b in self.epoch_bins)
         if cfg.max_steps:

@@ -154,6 +154,35 @@ def test_muon_takes_the_hidden_matrices_adamw_the_rest_and_a_checkpoint_resumes_
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+
+def test_our_muon_is_torchs_in_bf16_and_runs_newton_schulz_in_fp32_where_training_does():
+    """common.optim.Muon steps as torch.optim.Muon, bit for bit in bf16; in fp32 (CPUs without fast bf16, where
+    torch's bf16 iteration took 25 s a step) the same update to bf16's rounding."""
+    from common.optim import MUON, Muon, build_optimizer
+    gen = torch.Generator().manual_seed(0)
+    shapes, grads = [(48, 80), (96, 32)], [[torch.randn(48, 80, generator=gen), torch.randn(96, 32, generator=gen)]
+                                           for _ in range(3)]
+
+    def run(make):
+        ps = [torch.nn.Parameter(torch.randn(s, generator=torch.Generator().manual_seed(1))) for s in shapes]
+        opt = make(ps)
+        for gs in grads:
+            for p, g in zip(ps, gs):
+                p.grad = g.clone()
+            opt.step()
+        return [p.detach() for p in ps]
+    theirs = run(lambda ps: torch.optim.Muon(ps, lr=0.02, **MUON))
+    ours_bf16 = run(lambda ps: Muon(ps, torch.bfloat16, lr=0.02, **MUON))
+    ours_fp32 = run(lambda ps: Muon(ps, torch.float32, lr=0.02, **MUON))
+    assert all(torch.equal(a, b) for a, b in zip(theirs, ours_bf16))
+    for a, b in zip(theirs, ours_fp32):
+        torch.testing.assert_close(b, a, rtol=0, atol=0.02 * 3 * 0.2 * 96 ** 0.5 * 0.05)
+        assert not torch.equal(a, b)
+    model = small_draft(train_head=True)
+    cfg = SimpleNamespace(optimizer="muon", lr=1e-3, weight_decay=0.0)
+    assert build_optimizer(model, cfg, torch.device("cpu"), bf16=False).parts["muon"].ns_dtype == torch.float32
+    assert build_optimizer(model, cfg, torch.device("cpu"), bf16=True).parts["muon"].ns_dtype == torch.bfloat16
+
 def test_the_schedules_decay_to_zero_after_the_warmup():
     from common.optim import lr_lambda
     cos, lin = lr_lambda(2, 10, "cosine"), lr_lambda(2, 10, "linear")
