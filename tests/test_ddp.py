@@ -72,7 +72,11 @@ def single(extracted, tmp_path_factory):
 
 # FSDP also trains the lm_head (--train-lm-head) and EAGLE-3.1's per-layer fc norms: their gradients, sharded
 # state, checkpoints and resume
-@pytest.mark.parametrize("parallel,extra", [("ddp", ()), ("fsdp", ("--train-lm-head", "--draft-norms", "fc-norm"))])
+# DDP with Muon: each rank orthogonalises its share of the matrices and broadcasts them (common/optim.py); AdamW's
+# update runs on every rank in the FSDP case
+@pytest.mark.parametrize("parallel,extra", [("ddp", ("--optimizer", "muon")),
+                                            ("fsdp", ("--train-lm-head", "--draft-norms", "fc-norm"))],
+                         ids=["ddp_muon", "fsdp_head_norms"])
 def test_torchrun_two_ranks_matches_accumulation(extracted, single, tmp_path, parallel, extra):
     ref = single(*extra)
     work = make_work(extracted, tmp_path / parallel)
@@ -80,8 +84,9 @@ def test_torchrun_two_ranks_matches_accumulation(extracted, single, tmp_path, pa
     last = last_step(ref)
     assert last_step(work) == last >= 2
     a, b = weights(ref, last), weights(work, last)
-    assert sorted(a) == sorted(b) and len(a) == 12 + 4 * bool(extra) and ("lm_head.weight" in a) == bool(extra)
-    assert ("fc_norm.2.weight" in a) == bool(extra)
+    fsdp = parallel == "fsdp"
+    assert sorted(a) == sorted(b) and len(a) == 12 + 4 * fsdp and ("lm_head.weight" in a) == fsdp
+    assert ("fc_norm.2.weight" in a) == fsdp
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
     # the log shows the global batch's loss (all ranks), not rank 0's half of it
@@ -90,7 +95,7 @@ def test_torchrun_two_ranks_matches_accumulation(extracted, single, tmp_path, pa
     tokens = logged(ref, "tokens")
     assert logged(work, "tokens") == tokens and 0 < tokens[0] and tokens == sorted(set(tokens)), tokens
     exported = load_file(str(work / "final_draft" / "model.safetensors"))
-    if extra:  # the trained head is what gets exported, and it moved away from the verifier's rows
+    if fsdp:  # the trained head is what gets exported, and it moved away from the verifier's rows
         torch.testing.assert_close(exported["lm_head.weight"], b["lm_head.weight"].bfloat16())
         verifier_rows = verifier_head_rows(work)
         moved = (b["lm_head.weight"] - verifier_rows).abs().max()
@@ -103,7 +108,7 @@ def test_torchrun_two_ranks_matches_accumulation(extracted, single, tmp_path, pa
         for k in b:
             torch.testing.assert_close(b[k], after[k], rtol=1e-5, atol=1e-6)
     if parallel == "ddp":
-        resume_on_one_rank(work, b, last)
+        resume_on_one_rank(work, b, last, extra)
 
 
 def sequences(work):
@@ -111,14 +116,14 @@ def sequences(work):
                                                                .read_text().splitlines()) if r["kind"] == "train"]
 
 
-def resume_on_one_rank(work, uninterrupted, last):
+def resume_on_one_rank(work, uninterrupted, last, extra):
     """A 2-rank run (1 micro-batch each) resumed by one process: it keeps the global batch of 2 sequences with 2
     accumulated micro-batches, so each resumed step reads the very sequences it read on 2 ranks and the
     weights end where they would have."""
     seen = sequences(work)
     assert len(seen) == last and all(b - a == 2 for _, _, (a, b) in seen), seen  # 2 sequences per step, both ranks
     shutil.rmtree(work / "train" / "checkpoints" / f"step_{last}")
-    proc = run_script("04_train.py", "--work-dir", work, *ARGS, "--grad-accum", 1)  # as a user would, on 1 process
+    proc = run_script("04_train.py", "--work-dir", work, *ARGS, "--grad-accum", 1, *extra)  # as a user would, on 1 process
     assert proc.returncode == 0, proc.output[-3000:]
     assert "resuming a run of 2 ranks on 1 rank: 2 micro-batches per rank per step (--grad-accum 1 asked)" in proc.output
     assert "resumed from" in proc.output and f"step {last - 1}," in proc.output
