@@ -69,7 +69,10 @@ class Muon(torch.optim.Muon):
         sent = []
         for (g, p), r in zip(items, owner):
             # every rank keeps every momentum buffer (cheap), so rank 0's checkpoint holds the whole state
-            buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p.grad))
+            state = self.state[p]
+            if "momentum_buffer" not in state:  # not setdefault: that would allocate a zero matrix every step
+                state["momentum_buffer"] = torch.zeros_like(p.grad)
+            buf = state["momentum_buffer"]
             buf.lerp_(p.grad, 1 - g["momentum"])
             if r == rank:
                 update = p.grad.lerp(buf, g["momentum"]) if g["nesterov"] else buf
