@@ -29,7 +29,7 @@ from common.drafts import method_of
 from common.train_preflight import checkpoint_disk, micro_batch_memory, read_inputs, refuse_oversized, \
     require_speculators
 from common.checkpoints import latest_checkpoint, load_weights
-from common.distributed import dist_setup
+from common.distributed import dist_setup, dist_teardown
 from common.metrics import plot_curves
 from common.trainer import RESUME_KEYS, Trainer, method_shift, plan_epochs
 
@@ -101,6 +101,7 @@ def main():
     trainer.resume()
     t0 = time.time()
     state = trainer.train()
+    dist_teardown(world)
     if rank != 0:
         return 0
     best = out / "checkpoints" / f"step_{state['best_step']}" if state.get("best_step") is not None else None

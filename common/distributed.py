@@ -27,6 +27,15 @@ def dist_setup(cfg):
     return rank, world, device
 
 
+def dist_teardown(world):
+    """After training, before rank 0 exports: every rank waits for the others (the last checkpoint is whole), then
+    leaves the process group. A rank that exited with gloo's group alive aborted at exit now and then ("terminate
+    called without an active exception"), and torchrun then killed rank 0 mid-checkpoint."""
+    if world > 1 and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def wrap_parallel(model, device, world, how):
     """One process: the model itself. DDP: replicas, gradients all-reduced. FSDP (torch's fully_shard):
     trainable weights, gradients and AdamW state sharded across ranks; the frozen verifier pieces stay
