@@ -8,7 +8,7 @@
 #                                                      at once until DEADLINE s from the start (4 epochs: ~280 s)
 #   bench/dflash_levers.sh ab                          the variants only (stages 2-3 done), at most LIMIT s
 # Then the validation lines, and the drafts named in PACK (default: base spec; finished runs only) packed into $OUT.
-# EAGER=1 (implied by `all`): no torch.compile (--no-compile, EAGLE3_ATTN=sdpa: the per-document attention, equal to
+# EAGER=1 (implied by `all`): no torch.compile (--no-compile, which also takes the per-document attention, equal to
 # flex in tests/test_dflash.py): at this width the compiled first step alone took 208 s, six eager runs 282 s in all.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,7 +20,7 @@ cfg=configs/smollm2-135m.yaml
 base=(--draft-method dflash --block-size 8 --draft-layers 5 --epochs "${EPOCHS:-6}" --max-tokens-per-step 8192
       --num-workers 2)
 [[ $phase == all ]] && EAGER=1
-if [[ ${EAGER:-} == 1 ]]; then base+=(--no-compile); export EAGLE3_ATTN=sdpa; fi
+if [[ ${EAGER:-} == 1 ]]; then base+=(--no-compile); fi
 declare -A lever=([base]="" [muon]="--optimizer muon" [linear]="--lr-schedule linear"
                   [causal]="--block-attention causal" [b16]="--block-size 16"
                   [spec]="--optimizer muon --lr-schedule linear --block-attention causal --block-size 16 --weight-decay 0.01")
