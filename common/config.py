@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from common.drafts import METHOD_NAMES
+from common.drafts import LOSSES, METHOD_NAMES
 from common.errors import UsageError
 
 
@@ -151,8 +151,10 @@ OPTIONS = [
         range="[0, inf)"),
     Opt("max_anchors", int, 512, "dflash: blocks drawn per packed sequence, anchored at random loss-masked positions",
         stages="4", range="[1, inf)"),
-    Opt("block_loss", str, "ce", "dflash: per-slot loss, cross-entropy to the verifier's top token (speculators' recipe) "
-        "or KL to its distribution", stages="4", choices=("ce", "kl")),
+    Opt("loss", str, "", "training loss per drafted token: kl (KL to the verifier's distribution over the draft vocab), "
+        "ce (cross-entropy to its top token), or an acceptance loss with a = sum(min(p, q)): tv (1 - a), nla (-log a), "
+        "lk (an adaptive kl/tv blend, the LK losses paper); '' = the method's default: eagle3 kl, dflash ce",
+        stages="4", choices=("",) + LOSSES),
     Opt("block_weights", str, "dpace", "dflash: per-slot loss weights, dpace (each slot by the smoothed chance the "
         "block gets that far) or fixed (exp(-(slot - 1) / --block-decay-gamma))", stages="4", choices=("dpace", "fixed")),
     Opt("block_attention", str, "bidirectional", "dflash: what a drafted slot sees of its own block: every slot "

@@ -40,6 +40,8 @@ ALIASES = {
     "--max-grad-norm": ("--grad-clip", "gradient norm clip"),
     "--num-samples-eval": ("--eval-limit", "prompts to evaluate"),
     "--chat-template-path": ("--chat-template", "a template file or string"),
+    "--block-loss": ("--loss", "one loss option for every draft method: kl, ce, tv, nla or lk (DFlash's default stays ce)"),
+    "--loss-fn": ("--loss", "kl, ce, tv, nla or lk: speculators' kl_div, ce, tv, nla, lk_hybrid (no weighted mixes)"),
 }
 KEEP_VALUE = {"--verifier", "--tensor-parallel-size", "--epochs", "--lr", "--draft-vocab-size", "--max-seq-len",
               "--ttt-steps", "--num-speculative-tokens", "--layer-ids", "--save-every", "--max-steps", "--grad-accum",

@@ -27,6 +27,8 @@ def with_later_defaults(saved, now, geometry):
     from dataclasses import MISSING, fields
 
     from common.config import BY_NAME
+    if "block_loss" in saved and "loss" not in saved:  # DFlash's --block-loss, now --loss ('' = ce for DFlash)
+        saved["loss"] = "" if saved["block_loss"] == "ce" else saved["block_loss"]
     saved = {k: saved[k] for k in now if k in saved}
     for k, v in now.items():
         if k not in saved and k in BY_NAME and BY_NAME[k].default == v:
@@ -48,7 +50,7 @@ def add_noise(aux, scale, num_aux):
 
 # grad_accum is not among them: a resume on another number of ranks keeps the global batch (ranks x accumulation)
 RESUME_KEYS = ("epochs", "max_steps", "lr", "warmup_steps", "weight_decay", "grad_clip", "max_tokens_per_step", "seed",
-               "val_fraction", "optimizer", "lr_schedule", "hidden_noise", "train_lm_head")  # + the method's options
+               "val_fraction", "optimizer", "lr_schedule", "hidden_noise", "train_lm_head", "loss")  # + the method's options
 
 
 def method_shift(cfg):

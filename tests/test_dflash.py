@@ -80,14 +80,15 @@ def run_reference(ref, b, anchors, weighting, loss, monkeypatch):
         _, loss, metrics = ref(
             hidden_states=b["aux"][None], input_ids=b["ids"][None], loss_mask=b["loss_mask"][None],
             verifier_last_hidden_states=b["target_hidden"][None], document_ids=b["doc"][None],
-            position_ids=b["pos"][None], loss_config=resolve_loss_config({"kl": "kl_div", "ce": "ce"}[loss], "eager"), gamma=4.0,
+            position_ids=b["pos"][None], loss_config=resolve_loss_config({"kl": "kl_div", "lk": "lk_hybrid"}.get(loss, loss), "eager"), gamma=4.0,
             max_anchors=len(anchors), per_position_loss_weight="dpace" if weighting == "dpace" else "fixed-exp-decay",
             dpace_alpha=0.5)
     return logits[0], loss, metrics
 
 
 @pytest.mark.parametrize("weighting,loss,causal", [("dpace", "ce", False), ("fixed", "kl", False),
-                                                 ("dpace", "kl", False), ("fixed", "ce", True)])
+                                                 ("dpace", "kl", False), ("fixed", "ce", True),
+                                                 ("fixed", "lk", False)])
 def test_same_names_logits_loss_and_accepted_length_as_speculators(weighting, loss, causal, monkeypatch, tmp_path):
     """ce + dpace is speculators' DFlash recipe (and our default); kl + fixed its earlier one; causal within the block
     (--block-attention causal) its trainer's default layers (sliding window, sliding_window_non_causal false)."""

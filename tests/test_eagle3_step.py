@@ -30,7 +30,15 @@ def tiny_batch(T=300, seed=0, vocab=500, H=64):
             "pos": torch.cat([torch.arange(1, n + 1) for n in lens]), "docs": docs}
 
 
-def dense_reference(m, b, ttt, decay):
+def speculators_loss(kind):
+    """speculators 0.9.0's eager loss of our --loss kind: per row, against the verifier's logits."""
+    from speculators.losses import eager
+    fn = {"kl": eager.kl_div_loss, "ce": eager.ce_loss, "tv": eager.tv_loss, "nla": eager.neg_log_acceptance_loss,
+          "lk": eager.lk_hybrid_loss}[kind]
+    return lambda logits, targets: fn(logits[None], targets[None])[0]
+
+
+def dense_reference(m, b, ttt, decay, loss="kl"):
     g, T = m.g, b["ids"].shape[0]
     doc, pos, mask0 = b["doc"], b["pos"], b["loss_mask"].bool()
     layer = m.layers[0]
@@ -55,14 +63,18 @@ def dense_reference(m, b, ttt, decay):
         valid = torch.zeros(T, dtype=torch.bool)
         valid[:T - k] = mask0[k:] & (doc[:T - k] == doc[k:])
         tgt = torch.cat([target_logp[k:], target_logp[:k]])  # row i -> verifier at i + k
-        kl = (tgt.exp() * (tgt - logp)).sum(-1)
-        total = total + decay ** k * kl[valid].sum() / valid.sum()
+        if loss == "kl":
+            per_row = (tgt.exp() * (tgt - logp)).sum(-1)
+        else:  # speculators' definition (fp32 softmaxes)
+            per_row = speculators_loss(loss)(logp.float(), tgt.float()).to(logp.dtype)
+        total = total + decay ** k * per_row[valid].sum() / valid.sum()
     return total
 
 
-@pytest.mark.parametrize("bucket", [1, 64])
-def test_row_subsets_equal_dense_reference(bucket, monkeypatch):
-    """bucket 64: the attention products' sizes rounded up as in bf16 (extra keys and queries), here in fp64."""
+@pytest.mark.parametrize("bucket,loss", [(1, "kl"), (64, "kl"), (1, "ce"), (1, "lk"), (1, "nla"), (1, "tv")])
+def test_row_subsets_equal_dense_reference(bucket, loss, monkeypatch):
+    """bucket 64: the attention products' sizes rounded up as in bf16 (extra keys and queries), here in fp64.
+    Every --loss kind: the reference takes speculators' own loss functions."""
     monkeypatch.setattr(ttt_plan, "attn_bucket", lambda dtype: bucket)
     g = DraftGeometry(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
                       rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=512, verifier_vocab_size=500,
@@ -72,13 +84,13 @@ def test_row_subsets_equal_dense_reference(bucket, monkeypatch):
     for p in (m.embed_tokens.weight, m.lm_head.weight, m.verifier_lm_head.weight):
         p.data.normal_()
     b = {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in tiny_batch().items()}
-    loss, metrics = ttt_loss(m, b, 3, 0.8)
-    loss.backward()
+    value, metrics = ttt_loss(m, b, 3, 0.8, loss)
+    value.backward()
     ours = [p.grad.clone() for p in m.trainable_parameters()]
     m.zero_grad()
-    ref = dense_reference(m, b, 3, 0.8)
+    ref = dense_reference(m, b, 3, 0.8, loss)
     ref.backward()
-    torch.testing.assert_close(loss.double(), ref, rtol=1e-5, atol=1e-6)  # ours takes log-softmax in fp32
+    torch.testing.assert_close(value.double(), ref, rtol=1e-5, atol=1e-6)  # ours takes log-softmax in fp32
     for a, r in zip(ours, (p.grad for p in m.trainable_parameters())):
         torch.testing.assert_close(a, r, rtol=1e-4, atol=1e-6)
     assert int(metrics["full_total_0"]) == int(b["loss_mask"].sum())

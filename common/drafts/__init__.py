@@ -6,7 +6,7 @@
   ttt_plan   EAGLE-3's row plan and its attention (per document on CPUs, flex attention on CUDA)
   block_plan DFlash's block attention (per document on CPUs, flex attention on CUDA)
   layers     RMSNorm, RoPE, SwiGLU MLP, row-rounded Linear (both methods)
-  losses     the soft-target KL kernel (EAGLE-3's TTT loss); per-slot losses and weights of block drafts
+  losses     the soft-target KL kernel (EAGLE-3's default loss); the other --loss kinds; block drafts' slot weights
   acceptance acceptance length from per-position counts
 
 The registry: method(name) -> that method's DraftMethod. Another method is one module defining METHOD, registered
@@ -19,6 +19,7 @@ import os
 # name -> the module defining METHOD (imported on first use: a method pulls in torch and its model)
 MODULES = {"eagle3": "common.drafts.eagle3", "dflash": "common.drafts.dflash"}
 METHOD_NAMES = list(MODULES)  # --draft-method's choices (common/config.py reads this list)
+LOSSES = ("kl", "ce", "tv", "nla", "lk")  # --loss's choices (losses.row_loss); speculators' kl_div, ce, tv, nla, lk_hybrid
 
 
 def register(name, module):

@@ -273,7 +273,7 @@ class DFlashMethod(DraftMethod):
     layers, bidirectional within the block unless --block-attention causal; speculators' export layout only."""
     name = "dflash"
     shift = 0
-    options = ("max_anchors", "block_loss", "block_weights", "block_decay_gamma", "dpace_alpha", "block_attention")
+    options = ("max_anchors", "block_weights", "block_decay_gamma", "dpace_alpha", "block_attention")
     needs_speculators = True
     validation_args = ("all",)  # every block a loss-masked position can anchor (a sample of them would be noise)
 
@@ -295,7 +295,7 @@ class DFlashMethod(DraftMethod):
         return geometry_note(g)
 
     def loss_args(self, cfg):
-        return cfg.max_anchors, cfg.block_weights, cfg.block_loss, cfg.block_decay_gamma, cfg.dpace_alpha
+        return cfg.max_anchors, cfg.block_weights, cfg.loss or "ce", cfg.block_decay_gamma, cfg.dpace_alpha
 
     def positions(self, cfg):
         return cfg.block_size - 1

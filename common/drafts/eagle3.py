@@ -109,9 +109,9 @@ class Eagle3Draft(nn.Module):
     def trainable_parameters(self):
         return [p for p in self.parameters() if p.requires_grad]
 
-    def forward(self, batch, ttt_steps, decay):
+    def forward(self, batch, ttt_steps, decay, loss="kl"):
         """Training: -> (loss, metrics); see ttt_loss. A forward() so DDP can wrap the model."""
-        return ttt_loss(self, batch, ttt_steps, decay)
+        return ttt_loss(self, batch, ttt_steps, decay, loss)
 
     def run_steps(self, aux, embeds, pos, plan):
         """Teacher-forced TTT unroll over plan.rows; yields (step, output hidden [len(rows[k]), H]).
@@ -142,8 +142,8 @@ class Eagle3Draft(nn.Module):
         return [self.lm_head(self.norm(h)) for _, h in self.run_steps(aux, self.embed_tokens(ids), pos, plan)]
 
 
-def ttt_loss(model, batch, ttt_steps, decay):
-    """KL(verifier || draft) on the draft vocab per TTT step, masked; -> (loss, metrics counts).
+def ttt_loss(model, batch, ttt_steps, decay, loss="kl"):
+    """--loss (kl: KL(verifier || draft)) on the draft vocab per TTT step, masked; -> (loss, metrics counts).
 
     batch: aux [T, 3H], ids [T] (token i+1), embeds [T, H] (optional: their embeddings), target_hidden [T, H] (verifier h_N at i+1),
     loss_mask [T], doc [T] document index, pos [T], docs [(start, end)].
@@ -165,8 +165,11 @@ def ttt_loss(model, batch, ttt_steps, decay):
     for k, h in model.run_steps(aux, embeds, pos, plan):
         sel, tr = ix["sel"][k], ix["tr"][k]
         logits = model.lm_head(model.norm(h[ix["local"][k]]))
-        kl, top = losses.SoftKL.apply(logits, target_logp, tr)
-        step_loss = kl.sum() / max(len(sel), 1)
+        if loss == "kl":  # the default: its own backward (no fp32 [rows, vocab] copies kept)
+            per_row, top = losses.SoftKL.apply(logits, target_logp, tr)
+        else:
+            per_row, top = losses.row_loss(loss, logits, target_logp[tr]), logits.detach().max(-1).indices
+        step_loss = per_row.sum() / max(len(sel), 1)
         total = total + (decay ** k) * step_loss
         with torch.no_grad():
             correct = torch.zeros(T, dtype=torch.bool, device=dev)
@@ -268,10 +271,10 @@ class Eagle3Method(DraftMethod):
         return Eagle3Draft(g)
 
     def note(self, g, cfg):
-        return f"EAGLE-3, TTT {cfg.ttt_steps}"
+        return f"EAGLE-3, TTT {cfg.ttt_steps}" + (f", loss {cfg.loss}" if cfg.loss not in ("", "kl") else "")
 
     def loss_args(self, cfg):
-        return cfg.ttt_steps, cfg.ttt_decay
+        return cfg.ttt_steps, cfg.ttt_decay, cfg.loss or "kl"
 
     def positions(self, cfg):
         return cfg.ttt_steps

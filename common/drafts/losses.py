@@ -1,6 +1,6 @@
 """Loss maths the methods share: the soft-target KL per row with a hand-written backward that keeps no fp32 copies
-of [rows, vocab] tensors (SoftKL, EAGLE-3's TTT loss in eagle3.py), and a block draft's per-slot loss and slot
-weights (DFlash)."""
+of [rows, vocab] tensors (SoftKL, EAGLE-3's default TTT loss in eagle3.py), the other --loss kinds per row (row_loss:
+autograd, so they keep those copies), and a block draft's slot weights (DFlash)."""
 import torch
 import torch.nn.functional as F
 
@@ -56,11 +56,30 @@ class SoftKL(torch.autograd.Function):
 LOSS_EPS = 1e-5  # speculators' _LOSS_REDUCTION_EPS
 
 
-def slot_loss(kind, logits, targets):
-    """[Q] per-slot loss in fp32: ce (to the verifier's argmax, D-PACE's confidence is exp(-ce)) or kl."""
+NLA_EPS = 1e-5  # speculators' _NLA_EPS
+LK_ETA = 3.0  # lk's blend: lambda = exp(-eta * acceptance), the LK paper's best hybrid (speculators' lk_hybrid default)
+
+
+def row_loss(kind, logits, targets):
+    """[rows] loss in fp32 against the verifier's logits (log-probs do as well). kl: KL(verifier || draft); ce: to
+    the verifier's top token; with acceptance a = sum(min(p, q)) (speculative sampling's): tv 1 - a, nla -log a, lk
+    lambda * kl + (1 - lambda) * tv, lambda = exp(-eta * a) not differentiated (the LK losses paper)."""
     if kind == "ce":
         return F.cross_entropy(logits.float(), targets.argmax(-1), reduction="none")
-    return F.kl_div(F.log_softmax(logits.float(), -1), F.softmax(targets.float(), -1), reduction="none").sum(-1)
+    logq = F.log_softmax(logits.float(), -1)
+    p = F.softmax(targets.float(), -1)
+    if kind == "kl":
+        return F.kl_div(logq, p, reduction="none").sum(-1)
+    accept = torch.minimum(logq.exp(), p).sum(-1)
+    if kind == "tv":
+        return 1 - accept
+    if kind == "nla":
+        return -accept.clamp_min(NLA_EPS).log()
+    lam = torch.exp(-LK_ETA * accept.detach())
+    return lam * F.kl_div(logq, p, reduction="none").sum(-1) + (1 - lam) * (1 - accept)
+
+
+slot_loss = row_loss  # a block draft's per-slot loss
 
 
 def slot_weights(kind, slot, mask, elementwise, block_size, gamma, dpace_alpha):
