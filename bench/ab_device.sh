@@ -15,7 +15,7 @@ W=runs/ab
 stages=${AB_STAGES:-234}  # AB_STAGES=4 on a call that follows within the warm machine's 30 s: stages 2-3 kept
 if [[ $stages == *2* ]]; then mkdir -p "$W" && tar xzf .ab/prepared.tgz -C "$W" || exit 1; fi
 rm -rf "$W"-*/final_draft  # an earlier call's drafts: not packed again
-mapfile -t variants < "${1:?VARIANTS_FILE}"
+mapfile -t variants < <(grep -Ev "^[[:space:]]*(#|$)" "${1:?VARIANTS_FILE}")  # comments and blank lines skipped
 # stages 2-4 within the call's limit, so that the packing below always runs (unfinished variants are left out)
 PY=python3 timeout "${AB_LIMIT:-500}" bench/gpu_ab.sh "$W" configs/smollm2-135m.yaml "$stages" "${variants[@]}" 2>&1 | tail -60
 packs=/tmp/ab-packs; rm -rf "$packs"; mkdir -p "$packs"
