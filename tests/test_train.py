@@ -203,10 +203,11 @@ def test_printed_serve_command_starts_a_server_that_serves_the_draft(trained, tm
         server.wait(60)
 
 
-@pytest.mark.parametrize("norms", ["norm-before-fc", "fc-norm"])
-def test_eagle31_norms_compute_what_speculators_computes(extracted, verifier_dir, tmp_path, norms):
+@pytest.mark.parametrize("norms,layers", [("norm-before-fc", 1), ("fc-norm", 1), ("fc-norm", 2)])
+def test_eagle31_norms_compute_what_speculators_computes(extracted, verifier_dir, tmp_path, norms, layers):
     """EAGLE-3.1 drafts (speculators' default since v0.7): our export, loaded by speculators' Eagle3DraftModel,
-    gives the same logits at every TTT step and the same loss; the config carries the fields vLLM reads."""
+    gives the same logits at every TTT step and the same loss; the config carries the fields vLLM reads. Two layers
+    (--draft-layers 2): the second a plain Llama layer, as speculators and vLLM's llama_eagle3 stack them."""
     from types import SimpleNamespace
 
     import numpy as np
@@ -219,8 +220,9 @@ def test_eagle31_norms_compute_what_speculators_computes(extracted, verifier_dir
     kimi = norms == "fc-norm"
     cfg = SimpleNamespace(draft_num_heads=12 if kimi else 0, draft_num_kv_heads=4 if kimi else 0,
                           draft_head_dim=64 if kimi else 0, draft_intermediate_size=256,
-                          norm_before_residual=not kimi, draft_norms=norms)
+                          norm_before_residual=not kimi, draft_norms=norms, draft_layers=layers)
     g = geometry(cfg, text_cfg, 1024, 3)
+    assert g.num_layers == layers
     assert (g.norm_before_fc, g.fc_norm, g.norm_output) == (norms == "norm-before-fc", norms == "fc-norm", True)
     assert (g.num_heads * g.head_dim != g.hidden_size, g.norm_before_residual) == (kimi, not kimi)
     torch.manual_seed(0)
@@ -237,6 +239,7 @@ def test_eagle31_norms_compute_what_speculators_computes(extracted, verifier_dir
     saved = json.loads((tmp_path / "d" / "config.json").read_text())
     assert (saved["norm_before_fc"], saved["fc_norm"], saved["norm_output"]) == (g.norm_before_fc, g.fc_norm, True)
     assert saved["norm_before_residual"] is (not kimi)
+    assert saved["transformer_layer_config"]["num_hidden_layers"] == layers and ("layers.1.mlp.up_proj.weight" in exported) == (layers == 2)
     ours.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in exported.items()}, strict=False)
     batch = float_batch(extracted / "hidden_states")
     logits, _ = same_as_speculators(speculators_model(tmp_path / "d"), ours, batch)

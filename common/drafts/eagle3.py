@@ -1,7 +1,9 @@
 """The EAGLE-3 draft model in plain PyTorch, with speculators 0.9.0's weight names and math.
 
   fc:      [aux_1 | aux_2 | aux_3] (3H) -> H
-  layer:   one Llama decoder layer whose q/k/v read [input_layernorm(embed) | hidden_norm(h)] (2H)
+  layer 0: a Llama decoder layer whose q/k/v read [input_layernorm(embed) | hidden_norm(h)] (2H)
+  layers 1..: plain Llama decoder layers over its output (--draft-layers; vLLM's llama_eagle3 and speculators serve
+           and train them so); one layer is EAGLE-3's
   norm + lm_head (draft vocab rows of the verifier's lm_head, frozen); embed_tokens frozen.
 Training-time test (TTT): step k feeds the layer's own output back with the teacher-forced token
 k+1 ahead; its queries attend to step-0 keys causally within the document plus, at their own
@@ -36,15 +38,16 @@ class DraftGeometry(Geometry):
     fc_norm: bool = False
     norm_output: bool = False
     rope_scaling: dict = None
+    num_layers: int = 1
 
 
 class Attention(nn.Module):
-    def __init__(self, g):
+    def __init__(self, g, width):
         super().__init__()
         self.g = g
-        self.q_proj = Linear(2 * g.hidden_size, g.num_heads * g.head_dim, bias=False)
-        self.k_proj = Linear(2 * g.hidden_size, g.num_kv_heads * g.head_dim, bias=False)
-        self.v_proj = Linear(2 * g.hidden_size, g.num_kv_heads * g.head_dim, bias=False)
+        self.q_proj = Linear(width, g.num_heads * g.head_dim, bias=False)
+        self.k_proj = Linear(width, g.num_kv_heads * g.head_dim, bias=False)
+        self.v_proj = Linear(width, g.num_kv_heads * g.head_dim, bias=False)
         self.o_proj = Linear(g.num_heads * g.head_dim, g.hidden_size, bias=False)
 
     def forward(self, x, xq, pos, qpos, plan, step):
@@ -63,7 +66,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, g):
         super().__init__()
         self.g = g
-        self.self_attn = Attention(g)
+        self.self_attn = Attention(g, 2 * g.hidden_size)
         self.mlp = MLP(g)
         self.input_layernorm = RMSNorm(g.hidden_size, g.rms_norm_eps)
         self.hidden_norm = RMSNorm(g.hidden_size, g.rms_norm_eps)
@@ -80,6 +83,22 @@ class DecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+class NextLayer(nn.Module):
+    """A draft layer after the first: a plain Llama decoder layer over the previous layer's output."""
+
+    def __init__(self, g):
+        super().__init__()
+        self.self_attn = Attention(g, g.hidden_size)
+        self.mlp = MLP(g)
+        self.input_layernorm = RMSNorm(g.hidden_size, g.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(g.hidden_size, g.rms_norm_eps)
+
+    def forward(self, h, pos, plan, step):
+        x = self.input_layernorm(h)
+        h = h + self.self_attn(x, x, pos, pos, plan, step)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
 class Eagle3Draft(nn.Module):
     def __init__(self, g: DraftGeometry):
         super().__init__()
@@ -89,7 +108,7 @@ class Eagle3Draft(nn.Module):
         self.fc_norm = nn.ModuleList([RMSNorm(g.hidden_size, g.rms_norm_eps) for _ in range(g.num_aux)]) \
             if g.fc_norm else None
         self.fc = Linear(g.num_aux * g.hidden_size, g.hidden_size, bias=False)
-        self.layers = nn.ModuleList([DecoderLayer(g)])
+        self.layers = nn.ModuleList([DecoderLayer(g)] + [NextLayer(g) for _ in range(g.num_layers - 1)])
         self.norm = RMSNorm(g.hidden_size, g.rms_norm_eps)
         self.lm_head = Linear(g.hidden_size, g.draft_vocab_size, bias=False)
         # frozen verifier pieces for the training targets (not exported)
@@ -117,15 +136,24 @@ class Eagle3Draft(nn.Module):
         """Teacher-forced TTT unroll over plan.rows; yields (step, output hidden [len(rows[k]), H]).
         embeds [T, H]: the input embeddings of the tokens (token i+1 at row i)."""
         hidden = self.fc(self.normed_aux(aux))
-        layer = self.layers[0]
-        h = layer(embeds, hidden, pos, plan, 0, qsel=plan.rows[0])
+        first, rest = self.layers[0], self.layers[1:]
+        plans = [plan] + [plan.for_layer() for _ in rest]  # each layer its own keys and values
+        h = first(embeds, hidden, pos, plan, 0, qsel=plan.rows[0])
+        h = self._rest(h, pos[plan.rows[0]], plans, 0) if rest else h
         yield 0, h
         for k in range(1, len(plan.rows)):
             rows = plan.rows[k]
             # rows[k] is a subset of rows[k-1]: carry each row's hidden state forward
             carried = self.norm(h) if self.g.norm_output else h
-            h = layer(embeds[rows + k], carried[plan.lookup[k - 1][rows]], pos[rows] + k, plan, k)
+            h = first(embeds[rows + k], carried[plan.lookup[k - 1][rows]], pos[rows] + k, plan, k)
+            h = self._rest(h, pos[rows] + k, plans, k) if rest else h
             yield k, h
+
+    def _rest(self, h, pos, plans, step):
+        """The layers after the first. Their step-0 keys must cover every position (index_plan's full_first)."""
+        for layer, p in zip(self.layers[1:], plans[1:]):
+            h = layer(h, pos, p, step)
+        return h
 
     def normed_aux(self, aux):
         if self.input_norm is not None:
@@ -155,7 +183,8 @@ def ttt_loss(model, batch, ttt_steps, decay, loss="kl"):
     embeds = batch["embeds"] if "embeds" in batch else model.embed_tokens(ids)  # looked up by the loader on GPUs
     T, dev = ids.shape[0], ids.device
     cpu = batch.get("cpu") or OnHost(loss_mask=batch["loss_mask"].cpu(), doc=doc.cpu())
-    ix = move(index_plan(cpu["loss_mask"].bool(), cpu["doc"], batch["docs"], ttt_steps), dev)
+    ix = move(index_plan(cpu["loss_mask"].bool(), cpu["doc"], batch["docs"], ttt_steps,
+                         full_first=model.g.num_layers > 1), dev)
     valid = ix["valid"]
     with torch.no_grad():
         target_ids, target_logp = losses.targets(model.verifier_lm_head(model.verifier_norm(batch["target_hidden"][ix["tpos"]])))
@@ -197,9 +226,9 @@ def optimize_bf16(model, compile_layers=True):
     else:
         model.verifier_lm_head.to(torch.bfloat16)
     if compile_layers:
-        layer = model.layers[0]
-        for m in (layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm, layer.mlp, model.norm,
-                  model.verifier_norm, model.input_norm, *(model.fc_norm or [])):
+        per_layer = [m for layer in model.layers for m in (layer.input_layernorm, getattr(layer, "hidden_norm", None),
+                                                           layer.post_attention_layernorm, layer.mlp)]
+        for m in (*per_layer, model.norm, model.verifier_norm, model.input_norm, *(model.fc_norm or [])):
             if m is not None:
                 m.compile(dynamic=True)
     layers.use_compiled_rope(compile_layers)
@@ -210,7 +239,7 @@ def llama_layer_config(g, aux_ids, verifier_config):
     from transformers import LlamaConfig
     return LlamaConfig(
         vocab_size=g.verifier_vocab_size, hidden_size=g.hidden_size, intermediate_size=g.intermediate_size,
-        num_hidden_layers=1, num_attention_heads=g.num_heads, num_key_value_heads=g.num_kv_heads,
+        num_hidden_layers=g.num_layers, num_attention_heads=g.num_heads, num_key_value_heads=g.num_kv_heads,
         head_dim=g.head_dim, hidden_act=g.hidden_act, max_position_embeddings=g.max_position_embeddings,
         rms_norm_eps=g.rms_norm_eps, rope_theta=g.rope_theta, tie_word_embeddings=False,
         bos_token_id=getattr(verifier_config, "bos_token_id", None),
@@ -256,10 +285,11 @@ class Eagle3Method(DraftMethod):
     host_embedding = True
 
     def geometry(self, cfg, shared, draft_vocab, num_aux, tokenizer, log=None):
-        if getattr(cfg, "draft_layers", 0) not in (0, 1):
-            raise UsageError(f"--draft-layers {cfg.draft_layers}: an EAGLE-3 draft has one layer (vLLM serves one); "
-                             f"more layers are for a block draft (--draft-method dflash)")
-        return DraftGeometry(**shared, draft_vocab_size=draft_vocab, num_aux=num_aux,
+        layers = getattr(cfg, "draft_layers", 0) or 1
+        if layers > 1 and getattr(cfg, "export_format", "speculators") == "eagle":
+            raise UsageError(f"--draft-layers {layers} --export-format eagle: EAGLE's layout holds one layer "
+                             f"(midlayer); use --export-format speculators for more")
+        return DraftGeometry(**shared, draft_vocab_size=draft_vocab, num_aux=num_aux, num_layers=layers,
                              norm_before_residual=cfg.norm_before_residual,
                              norm_before_fc=cfg.draft_norms == "norm-before-fc", fc_norm=cfg.draft_norms == "fc-norm",
                              norm_output=cfg.draft_norms != "eagle3")
@@ -271,7 +301,8 @@ class Eagle3Method(DraftMethod):
         return Eagle3Draft(g)
 
     def note(self, g, cfg):
-        return f"EAGLE-3, TTT {cfg.ttt_steps}" + (f", loss {cfg.loss}" if cfg.loss not in ("", "kl") else "")
+        return (f"EAGLE-3{f', {g.num_layers} layers' if g.num_layers > 1 else ''}, TTT {cfg.ttt_steps}"
+                + (f", loss {cfg.loss}" if cfg.loss not in ("", "kl") else ""))
 
     def loss_args(self, cfg):
         return cfg.ttt_steps, cfg.ttt_decay, cfg.loss or "kl"
@@ -284,8 +315,8 @@ class Eagle3Method(DraftMethod):
 
     def memory(self, g, cfg, longest_doc, device):
         """Rough peak bytes of one micro-batch in fp32: logits and log-probs per TTT step dominate."""
-        per_token_step = 4 * (4 * g.draft_vocab_size + 14 * g.hidden_size + 3 * g.intermediate_size
-                              + 2 * (g.num_heads + 2 * g.num_kv_heads) * g.head_dim)
+        per_token_step = 4 * (4 * g.draft_vocab_size + g.num_layers * (14 * g.hidden_size + 3 * g.intermediate_size
+                                                                 + 2 * (g.num_heads + 2 * g.num_kv_heads) * g.head_dim))
         attn = 4 * g.num_heads * longest_doc * longest_doc * cfg.ttt_steps * 2
         return cfg.max_tokens_per_step * cfg.ttt_steps * per_token_step + attn
 
@@ -304,7 +335,7 @@ class Eagle3Method(DraftMethod):
         return conf.get("speculators_model_type") == "eagle3" or "LlamaForCausalLMEagle3" in conf.get("architectures", [])
 
     def trained_fields(self, g, params):
-        return dict(num_layers=1, **{k: bool(g.get(k, False)) for k in EAGLE3_NORMS})
+        return dict(num_layers=g.get("num_layers", 1), **{k: bool(g.get(k, False)) for k in EAGLE3_NORMS})
 
     def served_fields(self, hf, raw):
         # as vLLM's llama_eagle3 resolves them: norm_before_fc from eagle_config first, absent fields False

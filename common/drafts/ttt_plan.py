@@ -1,6 +1,8 @@
 """EAGLE-3's training-time-test plan: which rows each TTT step computes and which keys each query sees, on the
 host (so the GPU never waits on a nonzero()), and the attention over it: per document on CPUs, one block-sparse
 flex-attention call on CUDA."""
+import copy
+
 import torch
 import torch.nn.functional as F
 
@@ -22,6 +24,12 @@ class TTTPlan:
         self.lookup = lookup  # lookup[j]: original position -> row index within rows[j] (-1 if absent)
         self.doc_ranges = ranges  # ranges[k][d]: first row of rows[k] in document d (Python ints)
         self.cache = []
+
+    def for_layer(self):
+        """The same plan for another draft layer: its own keys and values."""
+        other = copy.copy(self)
+        other.cache = []
+        return other
 
     def attend(self, q, step):
         if self.backend == "flex":
@@ -97,10 +105,11 @@ def flex_attend(plan, q, step):
     return flex(q[None], ks[None], vs[None], block_mask=bm, enable_gqa=q.shape[0] != ks.shape[0])[0]
 
 
-def index_plan(mask0, doc, docs, ttt_steps, every_row=False):
+def index_plan(mask0, doc, docs, ttt_steps, every_row=False, full_first=False):
     """CPU bookkeeping of one batch (so the GPU never waits on a nonzero()): per TTT step k,
     valid[k][i]: start i has a target at step k (mask at i+k, same document);
-    rows[k]: starts step k computes, those with a target at some step j >= k (every_row: all);
+    rows[k]: starts step k computes, those with a target at some step j >= k (every_row: all; full_first: all at
+    step 0, where a draft of several layers needs every position's keys in each layer);
     local[k]: which of rows[k] have a target now; tr[k]: their row in the verifier targets (tpos);
     lookup[k]: position -> index in rows[k]; ranges[k]: per document, its first row in rows[k]."""
     T = mask0.shape[0]
@@ -112,7 +121,7 @@ def index_plan(mask0, doc, docs, ttt_steps, every_row=False):
     rows = [None] * ttt_steps
     for k in reversed(range(ttt_steps)):
         need = need | valid[k]
-        rows[k] = torch.arange(T - k) if every_row else need.nonzero().squeeze(1)
+        rows[k] = torch.arange(T - k) if every_row or (full_first and k == 0) else need.nonzero().squeeze(1)
     tpos = mask0.nonzero().squeeze(1)
     row_of = torch.full((T,), -1, dtype=torch.long)
     row_of[tpos] = torch.arange(len(tpos))
