@@ -8,7 +8,7 @@ shapes show their cost (synthetic benchmarks that repeat one batch hide it).
   python bench/cpu_train_step.py --work-dir W --draft-method dflash --block-size 8 --draft-layers 2
 
 Every option besides the bench's own is 04_train.py's (the draft method and its options, --max-tokens-per-step,
---draft-vocab-size, --amp off for fp32, --no-compile for the eager loss), read over configs/smollm2-135m.yaml
+--draft-vocab-size, --optimizer and --lr, --amp off for fp32, --no-compile for the eager loss), read over configs/smollm2-135m.yaml
 unless --config names another; the draft is built through the method registry, as stage 4 builds it.
 
 Prints seconds per step and tokens/s (median over the timed steps) and the mean loss, which must
@@ -31,6 +31,7 @@ from common.config import parse_config  # noqa: E402
 from common.build_draft import geometry  # noqa: E402
 from common.drafts import method_of  # noqa: E402
 from common.drafts.losses import compile_loss  # noqa: E402
+from common.optim import build_optimizer  # noqa: E402
 from common.precision import use_bf16  # noqa: E402
 from common.hidden_states import read_sample, sample_path, write_sample  # noqa: E402
 from common.train_data import pack, PackedDataset, to_device  # noqa: E402
@@ -91,7 +92,7 @@ def main():
     if not fp32:
         m.prepare_bf16(model, cfg, torch.device("cpu"))
     loss_args = m.loss_args(cfg)
-    opt = torch.optim.AdamW(model.trainable_parameters(), lr=1e-3, betas=(0.9, 0.95))
+    opt = build_optimizer(model, cfg, torch.device("cpu"), bf16=not fp32)  # --optimizer, --lr: as stage 4 builds it
     times, losses, tokens = [], [], []
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if args.profile else None
     for i, b in enumerate(data):
@@ -113,7 +114,7 @@ def main():
         prof.__exit__(None, None, None)
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile))
     sec = statistics.median(times)
-    print(f"{m.note(g, cfg)}: {args.steps} steps of {cfg.max_tokens_per_step} tokens: {sec:.3f} s/step median, "
+    print(f"{m.note(g, cfg)}, {cfg.optimizer}: {args.steps} steps of {cfg.max_tokens_per_step} tokens: {sec:.3f} s/step median, "
           f"{sum(tokens) / sum(times):.0f} tokens/s, mean loss {sum(losses) / len(losses):.4f}")
 
 

@@ -207,8 +207,8 @@ def test_stage4_trains_and_exports_a_dflash_draft_speculators_loads(dflash_run):
 
 
 def test_methods_are_not_mixed_up(dflash_run, tmp_path):
-    """A DFlash checkpoint resumed as EAGLE-3, a DFlash draft evaluated as EAGLE-3, an EAGLE-3 draft with several
-    layers, a block of 1: one line each, exit 2, before any model load."""
+    """A DFlash checkpoint resumed as EAGLE-3, a DFlash draft evaluated as EAGLE-3, an EAGLE-3 draft of several
+    layers in EAGLE's one-layer export layout, a block of 1: one line each, exit 2, before any model load."""
     work, _ = dflash_run
     proc = run_script("04_train.py", "--work-dir", work, *DFLASH, "--epochs", 3, "--save-every", 2, "--draft-method",
                       "eagle3", "--draft-layers", 1)
@@ -217,8 +217,11 @@ def test_methods_are_not_mixed_up(dflash_run, tmp_path):
     assert proc.returncode == 2 and "holds a dflash draft but --draft-method is eagle3; pass --draft-method dflash" \
         in proc.stderr and "vLLM engine ready" not in proc.output
     eagle = [a for a in DFLASH if a not in ("--draft-method", "dflash", "--draft-layers", 2)]
-    proc = run_script("04_train.py", "--work-dir", work, *eagle, "--draft-layers", 3, "--dry-run")
-    assert proc.returncode == 2 and "--draft-layers 3: an EAGLE-3 draft has one layer" in proc.stderr, proc.output[-2000:]
+    proc = run_script("04_train.py", "--work-dir", work, *eagle, "--draft-layers", 3, "--export-format", "eagle",
+                      "--dry-run")
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        "error: --draft-layers 3 --export-format eagle: EAGLE's layout holds one layer (midlayer); "
+        "use --export-format speculators for more"), proc.output[-2000:]
     proc = run_script("04_train.py", "--work-dir", tmp_path, "--draft-method", "dflash", "--block-size", 1)
     assert proc.returncode == 2 and proc.stderr.strip() == "error: --block-size must be >= 2, got 1"
 
