@@ -6,6 +6,7 @@ shapes show their cost (synthetic benchmarks that repeat one batch hide it).
   python bench/cpu_train_step.py --work-dir runs/smollm2-135m --steps 60
   python bench/cpu_train_step.py --work-dir W --random-states   # only W/prepared/ needed (stage 1)
   python bench/cpu_train_step.py --work-dir W --draft-method dflash --block-size 8 --draft-layers 2
+  python bench/cpu_train_step.py --work-dir W --random-states --optimizer adamw --lr 0.001   # against the default's Muon
 
 Every option besides the bench's own is 04_train.py's (the draft method and its options, --max-tokens-per-step,
 --draft-vocab-size, --optimizer and --lr, --amp off for fp32, --no-compile for the eager loss), read over configs/smollm2-135m.yaml
