@@ -96,6 +96,38 @@ def test_row_subsets_equal_dense_reference(bucket, loss, monkeypatch):
     assert int(metrics["full_total_0"]) == int(b["loss_mask"].sum())
 
 
+@pytest.mark.parametrize("layers", [1, 2])
+def test_flex_attention_equals_the_per_document_products(layers, monkeypatch):
+    """CUDA's path (one block-sparse flex-attention call per TTT step; with 2 layers each with its own keys, step 0
+    at every position) against the CPU's per-document products on training's row subsets: the same hidden states
+    at every step, loss and accuracy counts. Forward only: flex attention has no CPU backward. Eager flex attention
+    here: the same mask and key layout, while torch 2.13's CPU inductor fails to compile this kernel (undeclared
+    cur_kvSplitSize8), a CPU-only fault."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    monkeypatch.setattr(ttt_plan, "compiled_flex", lambda: (flex_attention, create_block_mask))
+    g = DraftGeometry(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
+                      rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=512, verifier_vocab_size=500,
+                      draft_vocab_size=500, num_layers=layers)
+    torch.manual_seed(0)
+    m = Eagle3Draft(g).float().eval()
+    for p in (m.embed_tokens.weight, m.lm_head.weight, m.verifier_lm_head.weight):
+        p.data.normal_()
+    b = tiny_batch()
+    ix = ttt_plan.index_plan(b["loss_mask"].bool(), b["doc"], b["docs"], 3, full_first=layers > 1)
+    runs = {}
+    for backend in ("sdpa", "flex"):
+        monkeypatch.setenv("EAGLE3_ATTN", backend)
+        plan = ttt_plan.make_plan(ix, len(b["ids"]), b["doc"], b["docs"], torch.device("cpu"))
+        assert plan.backend == backend
+        with torch.no_grad():
+            runs[backend] = [h for _, h in m.run_steps(b["aux"], m.embed_tokens(b["ids"]), b["pos"], plan)], \
+                ttt_loss(m, b, 3, 0.8)
+    for a, r in zip(runs["flex"][0], runs["sdpa"][0]):
+        torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(runs["flex"][1][0], runs["sdpa"][1][0], rtol=1e-5, atol=1e-6)
+    assert {k: int(v) for k, v in runs["flex"][1][1].items()} == {k: int(v) for k, v in runs["sdpa"][1][1].items()}
+
+
 def test_bf16_attention_close_to_fp32():
     """In bf16 the per-document products run on sizes rounded up to 64 (extra keys past the document, extra
     query rows): every TTT step's output stays within bf16 rounding of the fp32 path, which rounds nothing."""
