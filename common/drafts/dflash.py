@@ -26,7 +26,7 @@ from common.drafts import layers
 from common.drafts.acceptance import block_metrics
 from common.drafts.block_plan import block_plan
 from common.drafts.layers import MLP, Geometry, RMSNorm, rope_cos_sin
-from common.drafts.losses import LOSS_EPS, slot_loss, slot_weights
+from common.drafts.losses import LOSS_EPS, row_loss, slot_weights
 from common.drafts.interface import DraftMethod
 from common.errors import UsageError
 
@@ -183,7 +183,7 @@ class DFlashDraft(nn.Module):
             anchors = select_anchors(batch["loss_mask"], max_anchors, bs, generator)
         logits = self.block_logits(batch["aux"], batch["ids"], batch["pos"], batch["doc"], anchors)
         targets, mask = self.targets_and_mask(batch["target_hidden"], batch["loss_mask"], batch["doc"], anchors)
-        per_slot = slot_loss(loss, logits, targets) * mask
+        per_slot = row_loss(loss, logits, targets) * mask
         slot = torch.arange(logits.shape[0], device=logits.device) % bs
         w = slot_weights(weighting, slot, mask, per_slot, bs, gamma, dpace_alpha)
         total = (per_slot * w).sum() / (mask.sum() + LOSS_EPS)

@@ -136,22 +136,22 @@ class Eagle3Draft(nn.Module):
         """Teacher-forced TTT unroll over plan.rows; yields (step, output hidden [len(rows[k]), H]).
         embeds [T, H]: the input embeddings of the tokens (token i+1 at row i)."""
         hidden = self.fc(self.normed_aux(aux))
-        first, rest = self.layers[0], self.layers[1:]
-        plans = [plan] + [plan.for_layer() for _ in rest]  # each layer its own keys and values
+        first = self.layers[0]
+        plans = [plan.for_layer() for _ in self.layers[1:]]  # each later layer its own keys and values
         h = first(embeds, hidden, pos, plan, 0, qsel=plan.rows[0])
-        h = self._rest(h, pos[plan.rows[0]], plans, 0) if rest else h
+        h = self._rest(h, pos[plan.rows[0]], plans, 0)
         yield 0, h
         for k in range(1, len(plan.rows)):
             rows = plan.rows[k]
             # rows[k] is a subset of rows[k-1]: carry each row's hidden state forward
             carried = self.norm(h) if self.g.norm_output else h
             h = first(embeds[rows + k], carried[plan.lookup[k - 1][rows]], pos[rows] + k, plan, k)
-            h = self._rest(h, pos[rows] + k, plans, k) if rest else h
+            h = self._rest(h, pos[rows] + k, plans, k)
             yield k, h
 
     def _rest(self, h, pos, plans, step):
         """The layers after the first. Their step-0 keys must cover every position (index_plan's full_first)."""
-        for layer, p in zip(self.layers[1:], plans[1:]):
+        for layer, p in zip(self.layers[1:], plans):
             h = layer(h, pos, p, step)
         return h
 

@@ -79,8 +79,6 @@ def row_loss(kind, logits, targets):
     return lam * F.kl_div(logq, p, reduction="none").sum(-1) + (1 - lam) * (1 - accept)
 
 
-slot_loss = row_loss  # a block draft's per-slot loss
-
 
 def slot_weights(kind, slot, mask, elementwise, block_size, gamma, dpace_alpha):
     """Per-slot loss weights [Q]. fixed: exp(-(i - 1) / gamma) for slot i >= 1 (speculators' dflash_loss_decay);
