@@ -26,7 +26,14 @@ for tar in "$files"/*.tar; do
   name=$(basename "$tar" .tar); [[ $name == parity_states ]] && continue
   run=$W-${name#*-}
   [[ -f $run/final_draft/model.safetensors ]] || "$PY" bench/draft_transport.py unpack "$tar" "$run" || exit 1
-  for d in prepared vocab hidden_states; do ln -sfn "$(realpath "$W/$d")" "$run/$d"; done
+  for d in prepared hidden_states; do ln -sfn "$(realpath "$W/$d")" "$run/$d"; done
+  size=$("$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['params']['geometry']['draft_vocab_size'])" "$run/train/manifest.json")
+  if [[ $size == $("$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['counts']['draft_vocab_size'])" "$W/vocab/manifest.json") ]]; then
+    ln -sfn "$(realpath "$W/vocab")" "$run/vocab"
+  else  # a --draft-vocab-size variant: its own mapping, as bench/gpu_ab.sh built it there (stage 3 is deterministic)
+    [[ -L $run/vocab ]] && rm "$run/vocab"
+    "$PY" 03_build_vocab_mapping.py --config $cfg --work-dir "$run" --draft-vocab-size "$size" > "$run.vocab.log" 2>&1 || { tail -3 "$run.vocab.log"; exit 1; }
+  fi
   method=$("$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['params']['draft_method'])" "$run/train/manifest.json")
   serve "$run" --draft-method "$method"
   if [[ $method == dflash && ${AS_BEFORE:-} == 1 ]]; then  # the same weights as served before the fix: causal
