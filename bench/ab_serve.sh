@@ -13,6 +13,9 @@ cfg=configs/smollm2-135m.yaml
 "$PY" 03_build_vocab_mapping.py --config $cfg --work-dir "$W" > "$W.vocab.log" 2>&1 || { tail -3 "$W.vocab.log"; exit 1; }
 # the held-out samples' states the served-vs-trained check reads (W keeps those of an earlier call on the same data)
 [[ -f $files/parity_states.tar ]] && tar xf "$files/parity_states.tar" -C "$W"
+field() {  # FILE KEY...: a manifest's value at that path of keys
+  "$PY" -c "import json,sys; d=json.load(open(sys.argv[1])); [d:=d[k] for k in sys.argv[2:]]; print(d)" "$@"
+}
 serve() {  # run dir, then extra stage-5 options
   local run=$1; shift
   [[ -f $run/eval/acceptance.json ]] && { echo "== $(basename "$run"): served before, kept"; return; }
@@ -27,14 +30,14 @@ for tar in "$files"/*.tar; do
   run=$W-${name#*-}
   [[ -f $run/final_draft/model.safetensors ]] || "$PY" bench/draft_transport.py unpack "$tar" "$run" || exit 1
   for d in prepared hidden_states; do ln -sfn "$(realpath "$W/$d")" "$run/$d"; done
-  size=$("$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['params']['geometry']['draft_vocab_size'])" "$run/train/manifest.json")
-  if [[ $size == $("$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['counts']['draft_vocab_size'])" "$W/vocab/manifest.json") ]]; then
+  size=$(field "$run/train/manifest.json" params geometry draft_vocab_size)
+  if [[ $size == $(field "$W/vocab/manifest.json" counts draft_vocab_size) ]]; then
     ln -sfn "$(realpath "$W/vocab")" "$run/vocab"
   else  # a --draft-vocab-size variant: its own mapping, as bench/gpu_ab.sh built it there (stage 3 is deterministic)
     [[ -L $run/vocab ]] && rm "$run/vocab"
     "$PY" 03_build_vocab_mapping.py --config $cfg --work-dir "$run" --draft-vocab-size "$size" > "$run.vocab.log" 2>&1 || { tail -3 "$run.vocab.log"; exit 1; }
   fi
-  method=$("$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['params']['draft_method'])" "$run/train/manifest.json")
+  method=$(field "$run/train/manifest.json" params draft_method)
   serve "$run" --draft-method "$method"
   if [[ $method == dflash && ${AS_BEFORE:-} == 1 ]]; then  # the same weights as served before the fix: causal
     causal=$run-causal; rm -rf "$causal"; mkdir -p "$causal"
