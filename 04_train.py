@@ -24,7 +24,7 @@ from common.hidden_states import check_files
 from common.io import write_manifest
 from common.models import load_tokenizer, open_verifier
 from common.stage import ensure_writable, start
-from common.build_draft import build_model, geometry, trainable_parameters
+from common.build_draft import build_model, geometry, trainable_parameters, verifier_init_plan
 from common.drafts import method_of
 from common.train_preflight import checkpoint_disk, micro_batch_memory, read_inputs, refuse_oversized, \
     require_speculators
@@ -90,12 +90,16 @@ def main():
     steps = min(steps, cfg.max_steps or steps)
     ckpt = checkpoint_disk(cfg, trainable_parameters(g, cfg.train_lm_head), steps, -(-steps // per_epoch), out)
     log.info("disk: %d steps, checkpoints of ~%.2f GB (--keep-last %d)", steps, ckpt / 1e9, cfg.keep_last)
+    init_plan = verifier_init_plan(g, model_dir, text_cfg) if cfg.draft_init == "verifier" else None
+    if init_plan:
+        log.info("draft init: %d weights from the verifier's, %s ... %s", len(init_plan), init_plan[0][2],
+                 init_plan[-1][2])
     if cfg.dry_run:
         log.info("dry run: preflight passed; nothing written")
         return 0
     ensure_writable(out)
     target_ids = None if full else np.load(Path(cfg.work_dir) / "vocab" / "d2t.npy") + np.arange(draft_vocab)
-    model = build_model(g, model_dir, target_ids, train_head=cfg.train_lm_head)
+    model = build_model(g, model_dir, target_ids, train_head=cfg.train_lm_head, init_plan=init_plan)
     groups = validation_groups(records, val_idx, prep_man["params"].get("regenerate", False))
     trainer = Trainer(cfg, model, device, hs_dir, train_idx, val_idx, lengths, out, log, rank, world, groups)
     trainer.resume()

@@ -3,7 +3,7 @@ import torch
 
 from common.drafts import method, method_of
 from common.errors import UsageError
-from common.models import load_verifier_pieces
+from common.models import load_verifier_pieces, read_tensor, verifier_layer_tensors
 
 
 def geometry(cfg, text_cfg, draft_vocab, num_aux, tokenizer=None, log=None):
@@ -36,10 +36,52 @@ def trainable_parameters(g, train_head=False):
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-def build_model(g, model_dir, target_ids, trained=None, train_head=False):
+FLOATS = ("F32", "F16", "BF16")  # weights a draft layer can start as (a quantized layer's are packed integers)
+
+
+def verifier_init_plan(g, model_dir, text_cfg):
+    """--draft-init verifier: draft layer j of L starts as the verifier's layer N - L + j. -> [(parameter, file, key,
+    part)], checked from the checkpoint's headers before anything loads: a weight the verifier's layer lacks (Kimi-K2.5's
+    MLA attention and MoE MLPs have no q_proj / gate_proj), is quantized, or has another shape stops the stage."""
+    m = method(g.method)
+    with torch.device("meta"):
+        layers = m.model(g).layers
+    n, L = text_cfg.num_hidden_layers, len(layers)
+    if L > n:
+        raise UsageError(f"--draft-init verifier: {L} draft layers but the verifier has {n}; lower --draft-layers")
+    found, plan = verifier_layer_tensors(model_dir, range(n - L, n)), []
+    for name, p in layers.named_parameters():
+        j, inner = name.split(".", 1)
+        src, part = m.verifier_source(int(j), inner)
+        layer = n - L + int(j)
+        hit = found.get((layer, src))
+        if hit is None and p.dim() == 1:
+            continue  # a norm the verifier's layers lack (a Qwen3 q/k norm beside a Llama verifier) keeps its ones
+        if hit is None:
+            raise UsageError(f"--draft-init verifier: the verifier's layer {layer} has no {src} ({model_dir}): its "
+                             f"layers are not Llama-like (Kimi-K2.5: MLA attention, MoE MLPs); use --draft-init random")
+        want = tuple(p.shape) if part is None else (p.shape[0], p.shape[1] // 2)
+        if hit[2] != want or hit[3] not in FLOATS:
+            raise UsageError(f"--draft-init verifier: draft weight layers.{name} {want} cannot start as the verifier's "
+                             f"{hit[1]} ({hit[3]} {hit[2]}); drop the --draft-* options that change the draft's shapes, "
+                             f"or use --draft-init random")
+        plan.append((f"layers.{name}", hit[0], hit[1], part))
+    return plan
+
+
+def copy_verifier_layers(model, model_dir, plan):
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, file, key, part in plan:
+            dst = params[name] if part is None else params[name][:, params[name].shape[1] // 2:]
+            dst.copy_(read_tensor(model_dir, file, key).float())
+
+
+def build_model(g, model_dir, target_ids, trained=None, train_head=False, init_plan=None):
     """Draft with frozen pieces from the verifier: embeddings, draft lm_head = verifier rows of the draft vocab
     (trained further with train_head). trained: trainable weights from a checkpoint, loaded instead of a
-    random init (which takes half a minute for a Kimi-size draft on the one CPU thread torchrun leaves each rank)."""
+    random init (which takes half a minute for a Kimi-size draft on the one CPU thread torchrun leaves each rank).
+    init_plan: verifier_init_plan's, for a fresh draft whose layers start as the verifier's."""
     build = method(g.method).model
     if trained is None:
         model = build(g)
@@ -53,6 +95,8 @@ def build_model(g, model_dir, target_ids, trained=None, train_head=False):
         if missing:
             raise RuntimeError(f"checkpoint lacks trainable weights {missing[:3]}")
         model.load_state_dict(trained, strict=False)
+    if trained is None and init_plan:
+        copy_verifier_layers(model, model_dir, init_plan)
     w = load_verifier_pieces(model_dir, g.hidden_size)
     rows = torch.as_tensor(target_ids) if target_ids is not None else torch.arange(g.verifier_vocab_size)
     with torch.no_grad():

@@ -121,6 +121,9 @@ OPTIONS = [
         "(speculators' default)", stages="4", choices=("cosine", "linear")),
     Opt("hidden_noise", float, 0.0, "training only: Gaussian noise added to the verifier states the draft reads, std "
         "as a fraction of each state's RMS (a regulariser where data are few)", stages="4", range="[0, inf)"),
+    Opt("draft_init", str, "random", "how the draft's decoder layers start: random, or verifier: copied from the "
+        "verifier's last decoder layers (Llama-like layers only; EAGLE-3's first layer takes them into the hidden half "
+        "of its q/k/v)", stages="4", choices=("random", "verifier")),
     Opt("train_lm_head", _bool, False, "also train the draft lm_head (it starts as the verifier's rows of the draft "
         "vocab; frozen otherwise)", stages="4", flag=True),
     Opt("grad_clip", float, 0.5, "gradient norm clip", stages="4", range="(0, inf)"),

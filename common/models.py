@@ -265,17 +265,47 @@ PIECES = {"embed_tokens.weight": re.compile(r"(?:.*\.)?embed_tokens\.weight"),
           "norm.weight": re.compile(r"(?:.*\.)?model\.norm\.weight|norm\.weight")}
 
 
+def _safetensors_files(folder):
+    index = folder / "model.safetensors.index.json"
+    return sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else \
+        sorted(p.name for p in folder.glob("*.safetensors"))
+
+
+LAYER_KEY = re.compile(r"(?:.*\.)?layers\.(\d+)\.(.+)")
+
+
+def verifier_layer_tensors(model_dir, layers):
+    """The language model's decoder layers `layers` (indices from 0): {(layer, name in the layer): (file, key,
+    shape, dtype)}, from the headers only (a vision tower's or an MTP module's layers left out)."""
+    folder, want, found = Path(model_dir), set(layers), {}
+    for name in _safetensors_files(folder):
+        with safe_open_pt(folder / name) as fh:
+            for key in fh.keys():
+                m = LAYER_KEY.fullmatch(key)
+                if m and int(m[1]) in want and "vision" not in key and "mtp" not in key:
+                    sl = fh.get_slice(key)
+                    found[int(m[1]), m[2]] = (name, key, tuple(sl.get_shape()), sl.get_dtype())
+    return found
+
+
+def read_tensor(model_dir, file, key):
+    with safe_open_pt(Path(model_dir) / file) as fh:
+        return fh.get_tensor(key)
+
+
+def safe_open_pt(path):
+    from safetensors import safe_open
+    return safe_open(str(path), "pt")
+
+
 def verifier_piece_keys(model_dir, hidden_size=None):
     """Where embed_tokens, lm_head and the final norm sit: {piece: (file, key)}, from the headers only
     (seconds, so stages 2 and 4 check it before any load). Refuses a final norm of the wrong width."""
-    from safetensors import safe_open
     folder = Path(model_dir)
-    index = folder / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else \
-        sorted(p.name for p in folder.glob("*.safetensors"))
+    files = _safetensors_files(folder)
     found = {}
     for name in files:
-        with safe_open(str(folder / name), "pt") as fh:
+        with safe_open_pt(folder / name) as fh:
             for key in fh.keys():
                 if "vision" in key or ".layers." in key or "mtp" in key:
                     continue
@@ -298,9 +328,5 @@ def verifier_piece_keys(model_dir, hidden_size=None):
 
 def load_verifier_pieces(model_dir, hidden_size=None):
     """embed_tokens, lm_head (or the tied embedding) and the final norm, read straight from safetensors."""
-    from safetensors import safe_open
-    out = {}
-    for want, (name, key) in verifier_piece_keys(model_dir, hidden_size).items():
-        with safe_open(str(Path(model_dir) / name), "pt") as fh:
-            out[want] = fh.get_tensor(key)
-    return out
+    return {want: read_tensor(model_dir, name, key)
+            for want, (name, key) in verifier_piece_keys(model_dir, hidden_size).items()}

@@ -50,7 +50,8 @@ def add_noise(aux, scale, num_aux):
 
 # grad_accum is not among them: a resume on another number of ranks keeps the global batch (ranks x accumulation)
 RESUME_KEYS = ("epochs", "max_steps", "lr", "warmup_steps", "weight_decay", "grad_clip", "max_tokens_per_step", "seed",
-               "val_fraction", "optimizer", "lr_schedule", "hidden_noise", "train_lm_head", "loss")  # + the method's options
+               "val_fraction", "optimizer", "lr_schedule", "hidden_noise", "train_lm_head", "loss",
+               "draft_init")  # + the method's options
 
 
 def method_shift(cfg):

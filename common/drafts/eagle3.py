@@ -300,6 +300,13 @@ class Eagle3Method(DraftMethod):
     def model(self, g):
         return Eagle3Draft(g)
 
+    def verifier_source(self, layer, name):
+        if layer == 0 and name == "hidden_norm.weight":  # the norm of the hidden half: the verifier's input norm
+            return "input_layernorm.weight", None
+        if layer == 0 and name.rsplit(".", 2)[-2] in ("q_proj", "k_proj", "v_proj"):
+            return name, "hidden"  # the embeddings' half keeps its random init
+        return name, None
+
     def note(self, g, cfg):
         return (f"EAGLE-3{f', {g.num_layers} layers' if g.num_layers > 1 else ''}, TTT {cfg.ttt_steps}"
                 + (f", loss {cfg.loss}" if cfg.loss not in ("", "kl") else ""))

@@ -28,6 +28,12 @@ class DraftMethod:
         fills: embed_tokens, lm_head, verifier_lm_head, verifier_norm, d2t, t2d."""
         raise NotImplementedError
 
+    def verifier_source(self, layer, name):
+        """--draft-init verifier: the weight of the verifier's layer that parameter `name` of draft layer `layer`
+        starts as -> (its name in the verifier's layer, part): part None (the same shape) or "hidden" (the draft's
+        input is [embeddings | hidden], twice the verifier's width: it takes the second half)."""
+        return name, None
+
     def note(self, g, cfg):
         """One phrase for stage 4's plan line."""
         return self.name
