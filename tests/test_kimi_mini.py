@@ -16,9 +16,10 @@ from common.hidden_states import read_sample
 from conftest import greedy_gaps, manifest, ROOT, run_script, usage_error
 
 CONFIG = "configs/kimi-k2.5-mini.yaml"
-# 12 samples pack into one sequence: a step an epoch; 20 at lr 2e-3 train a draft that vLLM accepts
-ARGS = ["--num-samples", 12, "--epochs", 20, "--lr", 2e-3, "--warmup-steps", 3, "--eval-limit", 4]
-FLOOR = 40  # accepted tokens on the 4 prompts: half of the 80 (of 176 drafts) measured 2026-12-03 (AMD EPYC, AVX2)
+# 12 samples pack into one sequence: a step an epoch. A few steps: a draft of this architecture trained to be
+# accepted above a measured floor is test_kimi_config.py's (the shipped config, the same miniature)
+# (one-at-a-time decoding: the shipped config's rehearsal runs it, test_kimi_config.py)
+ARGS = ["--num-samples", 12, "--epochs", 4, "--lr", 2e-3, "--warmup-steps", 1, "--eval-limit", 4, "--latency-prompts", 0]
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +56,6 @@ def test_pipeline_regenerates_extracts_trains_exports_and_serves(kimi_run):
     assert rows[2]["acceptance_length"] == round(1 + per_pos[0] + per_pos[1], 4)
     assert rows[3]["drafts"] > 0 and rows[3]["prompts"] == 4
     assert rows[3]["acceptance_length"] == round(1 + rows[3]["accepted_tokens"] / rows[3]["drafts"], 4)
-    assert rows[3]["accepted_tokens"] >= FLOOR, rows[3]  # a draft that learned something: not 0 accepted
     # vLLM's per-request verify steps, by MT-bench category and answer position, add up to its global counters
     for table in (rows[3]["breakdown"]["by_category"], rows[3]["breakdown"]["by_position"]):
         assert sum(v["drafts"] for v in table.values()) == rows[3]["drafts"]
@@ -156,6 +156,14 @@ def test_layer_ids_vllm_cannot_take_are_refused_before_any_load(kimi_run):
                           "--layer-ids", ids, "--dry-run")
         usage_error(proc)
         assert needle in proc.stderr.strip().splitlines()[-1]
+
+
+def test_draft_init_from_a_mla_moe_layer_is_refused_before_training(kimi_run):
+    proc = run_script("04_train.py", "--config", CONFIG, "--work-dir", kimi_run, "--draft-init", "verifier",
+                      "--dry-run")
+    usage_error(proc)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "layer 7 has no self_attn.q_proj.weight" in last and "--draft-init random" in last, last
 
 
 SITECUSTOMIZE = '''

@@ -2,6 +2,7 @@
 import json
 import re
 import subprocess
+import sys
 import time
 
 from conftest import ROOT, sigterm_and_wait
@@ -48,7 +49,16 @@ def test_failing_stage_stops_chain_then_rerun_resumes(tmp_path):
         parts = [g[f"full_acc_{k}"] for g in best["groups"].values()]
         assert min(parts) <= best[f"full_acc_{k}"] <= max(parts)  # the blend of the two
     assert "by answer: verifier answers (" in (work / "logs" / "04_train.log").read_text()
+    # the wrapper trains again for a changed option that shapes the draft, not for one that only says how to run
+    assert stage_4_done(work) and stage_4_done(work, "--num-workers", 1)
+    assert not stage_4_done(work, "--lr-schedule", "cosine") and not stage_4_done(work, "--draft-norms", "eagle3")
     stop_wrapper_mid_stage(work, tmp_path / "kill")
+
+
+def stage_4_done(work, *args):
+    proc = subprocess.run([sys.executable, "-m", "common.pipeline", "done", "04_train", "--config",
+                           "configs/smollm2-135m.yaml", "--work-dir", *map(str, [work, *TINY, *args])], cwd=ROOT)
+    return proc.returncode == 0
 
 
 def stop_wrapper_mid_stage(done, kill):

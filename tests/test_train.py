@@ -248,3 +248,30 @@ def test_eagle31_norms_compute_what_speculators_computes(extracted, verifier_dir
     with torch.no_grad():
         plain = ours.unroll(batch["aux"], batch["ids"], batch["pos"], batch["doc"], batch["docs"], 3)
     assert torch.equal(plain[0], logits[0]) and not torch.allclose(plain[2], logits[2], atol=1e-3)
+
+
+def test_draft_init_verifier_starts_the_layers_as_the_verifiers_last(verifier_dir):
+    """--draft-init verifier on the real SmolLM2 (30 layers): a 2-layer EAGLE-3 draft starts as layers 28 and 29,
+    the first layer's q/k/v taking them into the hidden half of their [embeddings | hidden] input."""
+    import numpy as np
+    from common.build_draft import build_model, geometry, verifier_init_plan
+    from common.errors import UsageError
+    from common.models import load_verifier_config, read_tensor, verifier_layer_tensors
+    text_cfg = load_verifier_config(verifier_dir)
+    cfg = SimpleNamespace(draft_num_heads=0, draft_num_kv_heads=0, draft_head_dim=0, draft_intermediate_size=0,
+                          norm_before_residual=True, draft_norms="fc-norm", draft_layers=2)
+    g = geometry(cfg, text_cfg, 1024, 3)
+    plan = verifier_init_plan(g, verifier_dir, text_cfg)
+    torch.manual_seed(0)
+    draft = build_model(g, verifier_dir, np.arange(1024), init_plan=plan)
+    found = verifier_layer_tensors(verifier_dir, [28, 29])
+    verifier = lambda layer, name: read_tensor(verifier_dir, *found[layer, name][:2]).float()
+    q = draft.layers[0].self_attn.q_proj.weight
+    assert torch.equal(q[:, 576:], verifier(28, "self_attn.q_proj.weight"))
+    assert abs(q[:, :576].std().item() - 0.02) < 0.002  # the embeddings' half: the random init
+    assert torch.equal(draft.layers[0].hidden_norm.weight, verifier(28, "input_layernorm.weight"))
+    assert torch.equal(draft.layers[1].mlp.down_proj.weight, verifier(29, "mlp.down_proj.weight"))
+    assert len(plan) == 10 + 9 and all(p.requires_grad for p in draft.layers.parameters())
+    with pytest.raises(UsageError, match="cannot start as the verifier's"):  # another MLP width
+        verifier_init_plan(geometry(SimpleNamespace(**{**vars(cfg), "draft_intermediate_size": 256}), text_cfg,
+                                    1024, 3), verifier_dir, text_cfg)

@@ -23,8 +23,9 @@ def test_sigkill_resume_matches_uninterrupted(extracted, tmp_path):
             "--save-every", 2, "--keep-last", 3, "--log-interval", 0, "--lr", 1e-3, "--max-seq-len", 192]
     runs = {}
     for name in ("straight", "killed"):
-        work = copy_work(extracted, tmp_path / name)
-        run_script("03_build_vocab_mapping.py", "--work-dir", work, *VOCAB, check=True)
+        work = copy_work(runs.get("straight") or extracted, tmp_path / name)
+        if name == "straight":
+            run_script("03_build_vocab_mapping.py", "--work-dir", work, *VOCAB, check=True)
         if name == "killed":
             cmd = [sys.executable, str(ROOT / "04_train.py"), "--work-dir", str(work), *map(str, args)]
             proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
