@@ -41,7 +41,8 @@ def stage_done(stage, cfg):
     if any(man["params"].get(k) != cfg[k] for k in KEYS[stage] if k in man["params"] and cfg[k] is not None):
         return False
     recorded = man.get("options") or {}  # stage 4: every option that shapes the draft (older manifests: KEYS only)
-    if any(recorded[k] != json.loads(json.dumps(cfg[k])) for k in recorded if k in cfg and cfg[k] is not None):
+    if any(recorded[k] != json.loads(json.dumps(cfg[k])) for k in recorded
+           if cfg.get(k) is not None and recorded[k] is not None):  # None: derived (layer ids: stage 2's)
         return False
     if "model_dir" in man["params"]:  # another verifier (an HF id and its snapshot folder are the same one)
         from common.models import resolve_verifier
