@@ -93,8 +93,8 @@ def main():
     log.info("disk: %d steps, checkpoints of ~%.2f GB (--keep-last %d)", steps, ckpt / 1e9, cfg.keep_last)
     init_plan = verifier_init_plan(g, model_dir, text_cfg) if cfg.draft_init == "verifier" else None
     if init_plan:
-        log.info("draft init: %d weights from the verifier's, %s ... %s", len(init_plan), init_plan[0][2],
-                 init_plan[-1][2])
+        log.info("draft init: %d weights copied from the verifier's last layers (%s ... %s)", len(init_plan),
+                 init_plan[0][2], init_plan[-1][2])
     if cfg.dry_run:
         log.info("dry run: preflight passed; nothing written")
         return 0
