@@ -16,9 +16,8 @@ from common.hidden_states import read_sample
 from conftest import greedy_gaps, manifest, ROOT, run_script, usage_error
 
 CONFIG = "configs/kimi-k2.5-mini.yaml"
-# 12 samples pack into one sequence: a step an epoch. A few steps: a draft of this architecture trained to be
-# accepted above a measured floor is test_kimi_config.py's (the shipped config, the same miniature)
-# (one-at-a-time decoding: the shipped config's rehearsal runs it, test_kimi_config.py)
+# 12 samples pack into one sequence: a step an epoch. A few steps, no one-at-a-time decoding: test_kimi_config.py
+# serves a draft of this architecture trained to a measured floor, and its rehearsal decodes one at a time
 ARGS = ["--num-samples", 12, "--epochs", 4, "--lr", 2e-3, "--warmup-steps", 1, "--eval-limit", 4, "--latency-prompts", 0]
 
 

@@ -24,9 +24,9 @@ def test_sigkill_resume_matches_uninterrupted(extracted, tmp_path):
     runs = {}
     for name in ("straight", "killed"):
         work = copy_work(runs.get("straight") or extracted, tmp_path / name)
-        if name == "straight":
+        if name == "straight":  # the killed run copies its vocab
             run_script("03_build_vocab_mapping.py", "--work-dir", work, *VOCAB, check=True)
-        if name == "killed":
+        else:
             cmd = [sys.executable, str(ROOT / "04_train.py"), "--work-dir", str(work), *map(str, args)]
             proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                     start_new_session=True)
