@@ -48,10 +48,39 @@ def select_conversations(cfg, log):
     return convs, skips, n_read
 
 
+REGEN_SETTINGS = ("temperature", "max_new_tokens", "repetition_penalty", "seed", "max_seq_len", "regenerate_chunk",
+                  "chat_template")
+
+
+def regen_settings(cfg, model_id):
+    """What regeneration depends on, by name. The verifier by its resolved path: two different models can share
+    file names and sizes, so only the path is a safe identity without hashing the weights."""
+    return {"verifier_path": model_id, **{k: cfg[k] for k in REGEN_SETTINGS}}
+
+
 def regen_key(cfg, model_id):
-    """Hash of the settings regeneration depends on: the folder name, so other settings never reuse a chunk."""
-    return hashlib.sha256(json.dumps([model_id, cfg.temperature, cfg.max_new_tokens, cfg.repetition_penalty, cfg.seed,
-                                      cfg.max_seq_len, cfg.regenerate_chunk, cfg.chat_template]).encode()).hexdigest()[:16]
+    """Hash of regen_settings: the folder name, so other settings never reuse a chunk."""
+    return hashlib.sha256(json.dumps(list(regen_settings(cfg, model_id).values())).encode()).hexdigest()[:16]
+
+
+def other_regen_folders(out_dir, folder, settings):
+    """-> one line naming the regen folders of other settings and, where they recorded theirs, what differs."""
+    notes, path_only = [], False
+    for other in sorted(p for p in Path(out_dir).glob("regen-*") if p.is_dir() and p != folder):
+        try:
+            theirs = json.loads((other / "settings.json").read_text())
+        except (OSError, ValueError):  # made before the settings were recorded
+            notes.append(f"{other.name}: settings not recorded")
+            continue
+        diff = [k for k, v in settings.items() if theirs.get(k) != v]
+        path_only = path_only or diff == ["verifier_path"]
+        notes.append(f"{other.name}: " + ", ".join(f"{k} {theirs.get(k)!r} (now {settings[k]!r})" for k in diff))
+    if not notes:
+        return None
+    note = f"regeneration: chunks made with other settings ({'; '.join(notes)}) are kept but not reused"
+    if path_only:  # a moved model cache, or a hub id against a local copy: the user knows whether it is one model
+        note += f"; if both paths hold the same model, move that folder's chunk files into {folder.name} to reuse them"
+    return note
 
 
 def chunk_file(folder, c, chunk):
@@ -117,11 +146,14 @@ def regenerate(convs, tok, cfg, model_dir, out_dir, log):
     the chunk in flight. Returns (conversations, stats).
     """
     folder = Path(out_dir) / f"regen-{regen_key(cfg, model_dir)}"
-    others = sorted(p.name for p in Path(out_dir).glob("regen-*") if p.is_dir() and p != folder)
-    if others:  # a resume with another verifier, temperature, answer length, penalty, seed, length or chunk size
-        log.info("regeneration: chunks made with other settings (%s) are kept but not reused: the verifier, "
-                 "temperature, max new tokens, repetition penalty, seed, max length or chunk size differ", ", ".join(others))
+    settings = regen_settings(cfg, model_dir)
+    note = other_regen_folders(out_dir, folder, settings)  # a resume with another verifier, length, seed...
+    if note:
+        log.info("%s", note)
     folder.mkdir(parents=True, exist_ok=True)
+    if not (folder / "settings.json").is_file():
+        with atomic_path(folder / "settings.json") as tmp:
+            tmp.write_text(json.dumps(settings, indent=1) + "\n")
     size = cfg.regenerate_chunk
     chunks = [convs[i:i + size] for i in range(0, len(convs), size)]
     files = [chunk_file(folder, c, chunk) for c, chunk in enumerate(chunks)]

@@ -65,8 +65,31 @@ def test_regenerated_answers_equal_hf_greedy(tmp_path, verifier_dir, tokenizer):
     # another --max-new-tokens: nothing of the earlier answers is reused; they are regenerated at the new length
     proc = run_script("01_prepare_dataset.py", *args, "--max-new-tokens", 6)
     assert proc.returncode == 0, proc.output[-3000:]
-    assert f"chunks made with other settings ({chunks[0].parent.name}) are kept but not reused" in proc.output
+    assert (f"chunks made with other settings ({chunks[0].parent.name}: max_new_tokens 24 (now 6)) are kept but not "
+            "reused") in proc.output, proc.output[-3000:]
     assert "5 conversations in 3 chunks, 0 already done" in proc.output
     short = [json.loads(l) for l in (out / "tokenized_data.jsonl").read_text().splitlines()]
     assert all(sum(r["loss_mask"]) <= 6 for r in short) and json.loads((out / "manifest.json").read_text())[
         "params"]["max_new_tokens"] == 6
+
+
+def test_other_regen_folders_say_what_differs(tmp_path):
+    """A regen folder of other settings is named with what differs; one that differs only in the verifier's path (a
+    moved model cache) gets the way to reuse it; one from before settings were recorded says so."""
+    from common.prepare import REGEN_SETTINGS, other_regen_folders, regen_settings
+    cfg = {k: 0 for k in REGEN_SETTINGS}
+    here = regen_settings(cfg, "/cache/a/model")
+    folder = tmp_path / "regen-new"
+    (tmp_path / "regen-moved").mkdir()
+    (tmp_path / "regen-moved" / "settings.json").write_text(json.dumps({**here, "verifier_path": "/old/model"}))
+    note = other_regen_folders(tmp_path, folder, here)
+    assert note == ("regeneration: chunks made with other settings (regen-moved: verifier_path '/old/model' (now "
+                    "'/cache/a/model')) are kept but not reused; if both paths hold the same model, move that "
+                    "folder's chunk files into regen-new to reuse them")
+    (tmp_path / "regen-moved" / "settings.json").write_text(json.dumps({**here, "verifier_path": "/old/model",
+                                                                         "seed": 1}))
+    (tmp_path / "regen-old").mkdir()
+    note = other_regen_folders(tmp_path, folder, here)
+    assert note == ("regeneration: chunks made with other settings (regen-moved: verifier_path '/old/model' (now "
+                    "'/cache/a/model'), seed 1 (now 0); regen-old: settings not recorded) are kept but not reused")
+    assert other_regen_folders(tmp_path / "regen-old", folder, here) is None
