@@ -58,9 +58,10 @@ def regen_settings(cfg, model_id):
     return {"verifier_path": model_id, **{k: cfg[k] for k in REGEN_SETTINGS}}
 
 
-def regen_key(cfg, model_id):
-    """Hash of regen_settings: the folder name, so other settings never reuse a chunk."""
-    return hashlib.sha256(json.dumps(list(regen_settings(cfg, model_id).values())).encode()).hexdigest()[:16]
+def regen_key(settings):
+    """Hash of regen_settings' values (in their order: the folder names of earlier runs): the folder name, so other
+    settings never reuse a chunk."""
+    return hashlib.sha256(json.dumps(list(settings.values())).encode()).hexdigest()[:16]
 
 
 def other_regen_folders(out_dir, folder, settings):
@@ -145,8 +146,8 @@ def regenerate(convs, tok, cfg, model_dir, out_dir, log):
     re-run loads finished chunks and generates only the missing ones, so a kill loses at most
     the chunk in flight. Returns (conversations, stats).
     """
-    folder = Path(out_dir) / f"regen-{regen_key(cfg, model_dir)}"
     settings = regen_settings(cfg, model_dir)
+    folder = Path(out_dir) / f"regen-{regen_key(settings)}"
     note = other_regen_folders(out_dir, folder, settings)  # a resume with another verifier, length, seed...
     if note:
         log.info("%s", note)
