@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Stage 1: conversations -> chat-templated token ids with an assistant-token loss mask.
 
-Reads --dataset (packaged ShareGPT, a local .json/.jsonl in ShareGPT or OpenAI form, or an HF id);
-with --regenerate replaces the answers with the verifier's own (vLLM, resumable chunks).
-Writes <work-dir>/prepared/tokenized_data.jsonl ({id, input_ids, loss_mask} per line) and manifest.json.
+Reads --dataset: one source or a weighted mix (packaged ShareGPT, sharegpt-multiturn, verifier-prompts written by the
+verifier itself, a local .json/.jsonl in ShareGPT or OpenAI form, an HF id; common/mix.py), drops any prompt that
+repeats an MT-bench question; with --regenerate replaces the answers with the verifier's own (vLLM, resumable chunks).
+Writes <work-dir>/prepared/tokenized_data.jsonl ({id, source, input_ids, loss_mask} per line) and manifest.json.
 """
 import json
 import time
@@ -12,18 +13,22 @@ from pathlib import Path
 from common.errors import UsageError, run_main
 from common.io import atomic_path, check_free_disk, sha256_file, sha256_text, write_manifest
 from common.models import load_tokenizer, open_verifier, tokenizer_identity
-from common.prepare import DATASET_ANSWER, regenerate, select_conversations, token_stats, tokenize_all
-from common.sources import check_source, describe_source
+from common.decontam import EvalPrompts
+from common.mix import check_mix, describe_mix, parse_mix, select_conversations
+from common.prepare import DATASET_ANSWER, per_source, regenerate, token_stats, tokenize_all
 from common.stage import ensure_writable, start
 
+VERIFIER = "verifier-prompts"
 TRUNCATION_POLICY = ("keep the first --max-seq-len tokens; a sample with no assistant token left is dropped "
                      "and counted as no_assistant_after_truncation")
 
 
-def plan(cfg, log, out, model_dir):
+def plan(cfg, log, out, model_dir, mix_stats):
     n = cfg.num_samples or "all"
-    log.info("plan: read %s -> select %s conversations (max_turns=%s, dedup=%s, shuffle=%s, seed=%d)",
-             cfg.dataset, n, cfg.max_turns or "all", cfg.dedup, cfg.shuffle, cfg.seed)
+    log.info("plan: read %s -> select %s conversations (%s; max_turns=%s, dedup=%s, shuffle=%s, seed=%d), none "
+             "repeating an MT-bench question", cfg.dataset, n, ", ".join(f"{r['source']} {r['quota'] or 'all'}"
+                                                                         for r in mix_stats),
+             cfg.max_turns or "all", cfg.dedup, cfg.shuffle, cfg.seed)
     if cfg.regenerate:
         log.info("plan: regenerate answers with vLLM from %s (TP=%d, temperature=%g, max %d new tokens, "
                  "chunks of %d, resumable)", model_dir, cfg.tensor_parallel_size, cfg.temperature,
@@ -34,10 +39,23 @@ def plan(cfg, log, out, model_dir):
              out, (cfg.num_samples or 20000) * cfg.max_seq_len * 9 / 1e6, TRUNCATION_POLICY)
 
 
+def written_prompts(engine, tok, cfg, model_dir, out, evals, log, mix_stats, sources):
+    """The prompts of the mix's verifier-prompts entry, written by the verifier (none without that entry)."""
+    row = next((r for r in mix_stats if r["source"] == VERIFIER), None)
+    if not row:
+        return []
+    from common.verifier_prompts import write_prompts
+    convs, stats = write_prompts(engine.get, tok, row["quota"], cfg, model_dir, out, evals, log)
+    row.update(selected=len(convs), written=stats)
+    sources.update((ref, VERIFIER) for ref, _ in convs)
+    return convs
+
+
 def main():
     cfg, log = start(1, "01_prepare", __doc__)
     out = Path(cfg.work_dir) / "prepared"
-    check_source(cfg.dataset)
+    parts = parse_mix(cfg.dataset)
+    check_mix(parts, cfg)
     if cfg.keep_original_answers and not cfg.regenerate:
         raise UsageError("--keep-original-answers keeps the dataset's answers beside regenerated ones: add "
                          "--regenerate, or --no-keep-original-answers (the config may set it)")
@@ -46,29 +64,32 @@ def main():
         raise UsageError(f"--chat-template {cfg.chat_template}: file not found")
     t0 = time.time()
     # Inputs first (seconds), then the verifier's config (seconds), then anything expensive.
-    convs, skips, n_read = select_conversations(cfg, log)
-    if not convs:
-        raise UsageError(f"--dataset {cfg.dataset}: no usable conversation (skipped: {dict(skips)})")
+    evals = EvalPrompts()
+    convs, skips, n_read, sources, mix_stats = select_conversations(cfg, log, parts, evals)
     model_dir, model_config = open_verifier(cfg, log)
     if cfg.regenerate:
         from common.engine import check_parallel, cpu_mla_fallback
         check_parallel(cfg, model_config)
         cpu_mla_fallback(model_config, log, cfg.dtype, draft=False)
     if cfg.dry_run:
-        plan(cfg, log, out, model_dir)
+        plan(cfg, log, out, model_dir, mix_stats)
         log.info("dry run: %d conversations would be used; nothing written", len(convs))
         return 0
     ensure_writable(out)
     check_free_disk(out, (cfg.num_samples or 20000) * cfg.max_seq_len * 9, "tokenized data")
-    plan(cfg, log, out, model_dir)
+    plan(cfg, log, out, model_dir, mix_stats)
     tok = load_tokenizer(model_dir, cfg.chat_template, cfg.trust_remote_code)
     regen_stats = None
     if cfg.regenerate:
-        originals = convs
-        convs, regen_stats = regenerate(convs, tok, cfg, model_dir, out, log)
+        from common.engine import LazyEngine
+        engine = LazyEngine(model_dir, cfg)
+        convs = convs + written_prompts(engine, tok, cfg, model_dir, out, evals, log, mix_stats, sources)
+        originals = [(ref, msgs) for ref, msgs in convs if sources[ref] != VERIFIER]  # only these have answers
+        convs, regen_stats = regenerate(convs, tok, cfg, model_dir, out, log, engine)
+        engine.close()
         if cfg.keep_original_answers:  # appended: the regenerated samples keep their indices
             convs = convs + [(f"{ref}{DATASET_ANSWER}", msgs) for ref, msgs in originals]
-    records, tok_skips, truncated, own_ids = tokenize_all(convs, tok, cfg, log)
+    records, tok_skips, truncated, own_ids = tokenize_all(convs, tok, cfg, log, sources)
     skips.update(tok_skips)
     if not records:
         raise UsageError(f"no sample kept (dropped: {dict(skips)}); check --max-seq-len and the dataset")
@@ -81,18 +102,21 @@ def main():
     stats.update(records_read=n_read, selected=len(convs), truncated=truncated, dropped=dict(skips))
     params = {k: cfg[k] for k in ("verifier", "dataset", "dataset_split", "num_samples", "seed", "shuffle",
                                   "dedup", "max_turns", "max_seq_len", "regenerate")}
-    params.update(model_dir=model_dir, chat_template_override=sha256_text(cfg.chat_template) if cfg.chat_template
+    params.update(mix=[{k: r[k] for k in ("source", "weight", "quota")} for r in mix_stats], model_dir=model_dir, chat_template_override=sha256_text(cfg.chat_template) if cfg.chat_template
                   else None, truncation_policy=TRUNCATION_POLICY)
     if cfg.regenerate:
         params.update({k: cfg[k] for k in ("temperature", "max_new_tokens", "repetition_penalty",
                                            "drop_capped_answers", "drop_reasoning", "keep_original_answers")})
-    write_manifest(out, "prepare", params, tokenizer=tokenizer_identity(tok), source=describe_source(cfg.dataset),
-                   counts=stats, regeneration=regen_stats and dict(regen_stats, **own_ids), timings={"total_seconds": round(time.time() - t0, 1)},
+    write_manifest(out, "prepare", params, tokenizer=tokenizer_identity(tok), source=describe_mix(parts),
+                   counts=stats, sources=per_source(records, mix_stats), regeneration=regen_stats and dict(regen_stats, **own_ids), timings={"total_seconds": round(time.time() - t0, 1)},
                    outputs={"tokenized_data": data_path.name, "tokenized_data_sha256": sha256_file(data_path)})
     log.info("kept %d samples: %d tokens, %d assistant tokens (%.1f%%), %d unique assistant tokens, "
              "%d truncated; dropped %s; %.1fs", stats["samples"], stats["total_tokens"], stats["assistant_tokens"],
              100 * stats["assistant_tokens"] / max(stats["total_tokens"], 1), stats["unique_assistant_tokens"],
              truncated, dict(skips) or "none", time.time() - t0)
+    for r in mix_stats:
+        log.info("source %s: %d samples, %d tokens, %d assistant tokens", r["source"], r["samples"], r["tokens"],
+                 r["assistant_tokens"])
     log.info("wrote %s and manifest.json", data_path)
     return 0
 

@@ -93,7 +93,7 @@ def main():
         log.info("the draft vocab holds %.2f%% of the verifier's output tokens here (a ceiling on acceptance)",
                  100 * coverage)
     rows, outputs, steps_by_k = [], {}, {}
-    categories = prompt_categories(cfg.eval_dataset)
+    group_key, categories = prompt_categories(cfg.eval_dataset, work)
     engines = ks if cfg.exact_k_sweep else ks[-1:]  # each engine is a model load (22 min for Kimi-K2.5)
     for k in engines:
         spec = {"method": method.name, "model": str(draft.resolve()), "num_speculative_tokens": k}
@@ -101,7 +101,8 @@ def main():
             if checks and k == engines[-1] else None
         tokens, secs, counters, steps, single, checked = run_engine(model_dir, cfg, prompts, spec, check)
         row = acceptance_row(k, tokens, secs, counters, base_tokens, base_s, single, base_single)
-        row["breakdown"] = acceptance_breakdown(steps, [categories.get(r, "") for r in ids_kept], k)
+        row["breakdown"] = acceptance_breakdown(steps, [categories.get(r, "") for r in ids_kept], k,
+                                                group_key=group_key)
         rows.append(row)
         outputs[k], steps_by_k[k] = tokens, steps
         log.info("k=%d: acceptance length %.3f, per position %s, draft acceptance rate %.3f, %.1f tokens/s "

@@ -175,6 +175,24 @@ def make_llm(model, cfg, max_model_len=None, dtype=None, **extra):
     return llm
 
 
+class LazyEngine:
+    """One engine for a stage's several uses (the verifier writing prompts, then their answers), built at the first
+    use: never, when every result is already on disk."""
+
+    def __init__(self, model, cfg, **kwargs):
+        self.model, self.cfg, self.kwargs, self.llm = model, cfg, kwargs, None
+
+    def get(self):
+        if self.llm is None:
+            self.llm = make_llm(self.model, self.cfg, **self.kwargs)
+        return self.llm
+
+    def close(self):
+        if self.llm is not None:
+            close_llm(self.llm)
+            self.llm = None
+
+
 def close_llm(llm, timeout=None):
     """Shut the engine core and its workers down now, and on GPUs wait until their memory is back to what it
     was before the engine, so the next engine finds it free (at TP=8 a plain `del` left the workers holding

@@ -40,9 +40,16 @@ def eval_prompts(spec, limit, work_dir=None):
     return items[:limit] if limit else items
 
 
-def prompt_categories(spec):
-    """{prompt id: category} where the prompts carry one (MT-bench's eight; mtbench-long's short / long; a JSONL's
-    "category" field)."""
+def prompt_categories(spec, work_dir=None):
+    """-> (table key, {prompt id: group}): MT-bench's eight categories, mtbench-long's short / long, a JSONL's
+    "category" field; for this run's own prompts ('prepared', 'validation') the --dataset source each came from."""
+    if spec in ("prepared", "validation"):
+        from common.prepare import load_prepared
+        return "by_source", {r["id"]: r.get("source", "") for r in load_prepared(work_dir)[1]}
+    return "by_category", _categories(spec)
+
+
+def _categories(spec):
     if spec == "mtbench":
         return {qid: cat for qid, _, cat in mtbench_questions()}
     if spec == "mtbench-long":
@@ -172,7 +179,7 @@ def _summary(accepted, k):
             "per_position_acceptance": [round(sum(a > i for a in accepted) / n, 4) for i in range(k)]}
 
 
-def acceptance_breakdown(steps, groups, k, bucket=BUCKET):
+def acceptance_breakdown(steps, groups, k, bucket=BUCKET, group_key="by_category"):
     """vLLM's verify steps per prompt -> acceptance per prompt category and per answer-position bucket (where
     the step's first drafted token falls: the answer's first token comes from the prefill, each step then
     adds its accepted drafts + 1). None when the engine gave no per-request steps."""
@@ -187,7 +194,7 @@ def acceptance_breakdown(steps, groups, k, bucket=BUCKET):
             pos += a + 1
     out = {"by_position": {f"{b * bucket}-{b * bucket + bucket - 1}": _summary(by_pos[b], k) for b in sorted(by_pos)}}
     if any(groups):
-        out["by_category"] = {g or "(none)": _summary(a, k) for g, a in sorted(by_group.items())}
+        out[group_key] = {g or "(none)": _summary(a, k) for g, a in sorted(by_group.items())}
     return out
 
 
@@ -289,7 +296,8 @@ def markdown_table(rows, label):
         lines += ["", "Rows marked 'from k=K' are derived from the k=K run's per-position counts (no engine of "
                       "their own; --exact-k-sweep runs one per k)."]
     for r in rows:
-        for key, title in (("by_category", "prompt category"), ("by_position", "answer positions (where a verify step starts)")):
+        for key, title in (("by_category", "prompt category"), ("by_source", "prompt source (--dataset entry)"),
+                           ("by_position", "answer positions (where a verify step starts)")):
             table = (r.get("breakdown") or {}).get(key)
             if table:
                 lines += ["", f"k={r['num_speculative_tokens']} by {title}", "",

@@ -1,7 +1,6 @@
 """Stage 1 logic: select conversations, optionally regenerate answers with the verifier, tokenize."""
 import hashlib
 import json
-import random
 import re
 import time
 from collections import Counter
@@ -11,41 +10,10 @@ from common.chat import BadRecord, Skip, normalize, tokenize_conversation
 from common.errors import UsageError
 from common.io import atomic_path, read_manifest, sha256_file
 from common.log import Progress
-from common.sources import iter_records
 
 # --keep-original-answers: the id of a conversation kept with the dataset's own answer (beside its regenerated twin)
 DATASET_ANSWER = "#original"
 THINK_RE = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
-
-
-def select_conversations(cfg, log):
-    """Read, normalise, dedup, shuffle and cap conversations. -> ([(ref, messages)], skip Counter, n_read)."""
-    skips, seen, convs, n_read = Counter(), set(), [], 0
-    t0 = time.time()
-    for ref, record in iter_records(cfg.dataset, cfg.dataset_split):
-        n_read += 1
-        try:
-            messages = normalize(record, cfg.max_turns)
-        except Skip as s:
-            skips[s.reason] += 1
-            continue
-        except BadRecord as exc:
-            raise UsageError(f"{ref}: {exc}; fix the record or remove it")
-        if cfg.dedup:
-            key = hashlib.sha1(next(m["content"] for m in messages if m["role"] == "user").encode()).digest()
-            if key in seen:
-                skips["duplicate"] += 1
-                continue
-            seen.add(key)
-        rid = record.get("id") if isinstance(record.get("id"), (str, int)) else None
-        convs.append((str(rid) if rid is not None else ref, messages))
-    log.info("read %d records in %.1fs: %d usable conversations, skipped %s", n_read, time.time() - t0,
-             len(convs), dict(skips) or "none")
-    if cfg.shuffle:
-        random.Random(cfg.seed).shuffle(convs)
-    if cfg.num_samples:
-        convs = convs[:cfg.num_samples]
-    return convs, skips, n_read
 
 
 REGEN_SETTINGS = ("temperature", "max_new_tokens", "repetition_penalty", "seed", "max_seq_len", "regenerate_chunk",
@@ -139,8 +107,9 @@ def _with_answers(msgs, answers):
     return out
 
 
-def regenerate(convs, tok, cfg, model_dir, out_dir, log):
-    """Replace assistant answers with the verifier's own, in resumable chunks on disk.
+def regenerate(convs, tok, cfg, model_dir, out_dir, log, engine):
+    """Replace assistant answers with the verifier's own, in resumable chunks on disk (`engine`: the stage's
+    common.engine.LazyEngine, built only if a chunk is missing).
 
     Each chunk of `regenerate_chunk` conversations is written atomically as one JSONL file; a
     re-run loads finished chunks and generates only the missing ones, so a kill loses at most
@@ -163,8 +132,7 @@ def regenerate(convs, tok, cfg, model_dir, out_dir, log):
              len(chunks) - len(todo), folder)
     gen_tokens, t0 = 0, time.time()
     if todo:
-        from common.engine import make_llm
-        llm = make_llm(model_dir, cfg)
+        llm = engine.get()
         t0 = time.time()
         prog = Progress(len(todo), "regenerate", unit="chunks", interval=cfg.log_interval, extra_unit="tokens")
         for c in todo:
@@ -179,7 +147,6 @@ def regenerate(convs, tok, cfg, model_dir, out_dir, log):
                                        for (ref, _), a, f, ids in zip(chunk, answers, finishes, token_ids)))
             prog.update(1, extra=n)
         prog.close()
-        del llm
     new_convs, finish = _apply_regenerated(convs, files, cfg)
     stats = {"folder": str(folder), "answers": sum(v for k, v in finish.items() if k != "too_long"),
              "prompts_too_long": finish.get("too_long", 0), "finish_reasons": dict(finish),
@@ -220,8 +187,9 @@ def verifier_sample(tok, msgs, max_seq_len):
     return ids, [0] * len(prompt) + [1] * (len(ids) - len(prompt))
 
 
-def tokenize_all(convs, tok, cfg, log):
-    """-> (records, skip Counter, truncated count, counts of answers kept as the verifier's token ids)."""
+def tokenize_all(convs, tok, cfg, log, sources):
+    """-> (records, skip Counter, truncated count, counts of answers kept as the verifier's token ids); each record
+    names its prompt source (`sources`: {conversation id: --dataset entry})."""
     records, skips, truncated = [], Counter(), 0
     own = {"answers_as_verifier_token_ids": 0, "of_which_retokenize_differently": 0}
     prog = Progress(len(convs), "tokenize", interval=cfg.log_interval)
@@ -242,12 +210,21 @@ def tokenize_all(convs, tok, cfg, log):
             ids, mask = verifier_sample(tok, msgs, cfg.max_seq_len)
             own["of_which_retokenize_differently"] += text_ids[:len(ids)] != ids
         truncated += was_truncated
-        records.append({"id": ref, "input_ids": ids, "loss_mask": mask})
+        records.append({"id": ref, "source": sources[conversation_id(ref)], "input_ids": ids, "loss_mask": mask})
     prog.close()
     if own["answers_as_verifier_token_ids"]:
         log.info("regenerated single-turn answers kept as the verifier's own token ids: %d (%d of them "
                  "re-tokenize differently from their text)", *own.values())
     return records, skips, truncated, own
+
+
+def per_source(records, mix_stats):
+    """Stage 1's mix rows completed with each source's kept samples and tokens."""
+    for row in mix_stats:
+        mine = [r for r in records if r.get("source") == row["source"]]
+        row.update(samples=len(mine), tokens=sum(len(r["input_ids"]) for r in mine),
+                   assistant_tokens=sum(sum(r["loss_mask"]) for r in mine))
+    return mix_stats
 
 
 def token_stats(records):

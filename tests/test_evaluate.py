@@ -36,8 +36,8 @@ def test_concurrency_one_sits_beside_the_whole_batch_figure():
 
 
 def test_mtbench_prompts_carry_their_eight_categories():
-    cats = prompt_categories("mtbench")
-    assert len(cats) == 80 and sorted(set(cats.values())) == [
+    key, cats = prompt_categories("mtbench")
+    assert key == "by_category" and len(cats) == 80 and sorted(set(cats.values())) == [
         "coding", "extraction", "humanities", "math", "reasoning", "roleplay", "stem", "writing"]
     assert all(list(cats.values()).count(c) == 10 for c in set(cats.values()))
 
@@ -102,7 +102,7 @@ def test_long_prompts_put_each_question_after_four_thousand_tokens_of_conversati
     conversation (long), interleaved, so that --eval-limit keeps pairs; room for 256 new tokens in SmolLM2's 8K."""
     from common.evaluate import eval_prompts
     items = eval_prompts("mtbench-long", 0)
-    cats = prompt_categories("mtbench-long")
+    cats = prompt_categories("mtbench-long")[1]
     assert len(items) == 160 and [cats[ref] for ref, _ in items[:4]] == ["short", "long", "short", "long"]
     short, long = items[0][1], items[1][1]
     assert long[-1] == short[-1] and [m["role"] for m in long[:2]] == ["user", "assistant"]

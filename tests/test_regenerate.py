@@ -93,3 +93,33 @@ def test_other_regen_folders_say_what_differs(tmp_path):
     assert note == ("regeneration: chunks made with other settings (regen-moved: verifier_path '/old/model' (now "
                     "'/cache/a/model'), seed 1 (now 0); regen-old: settings not recorded) are kept but not reused")
     assert other_regen_folders(tmp_path / "regen-old", folder, here) is None
+
+
+def test_verifier_written_prompts_join_the_mix(tmp_path, tokenizer):
+    """verifier-prompts: the verifier writes its share of the prompts in the same engine that then answers every
+    prompt; each kept prompt is a whole, new user turn, its sample an answer of the verifier's own; a re-run reads
+    the prompts back instead of writing others."""
+    rows = [{"id": f"q{i}", "messages": [{"role": "user", "content": q}, {"role": "assistant", "content": "x"}]}
+            for i, q in enumerate(QUESTIONS[:3])]
+    args = ["--dataset", f"{write_jsonl(tmp_path / 'q.jsonl', rows)}:1,verifier-prompts:1", "--num-samples", 6,
+            "--work-dir", tmp_path / "w", "--regenerate", "--max-new-tokens", 16, "--max-seq-len", 512,
+            "--keep-original-answers"]
+    proc = run_script("01_prepare_dataset.py", *args)
+    assert proc.returncode == 0, proc.output[-3000:]
+    out = tmp_path / "w" / "prepared"
+    samples = [json.loads(l) for l in (out / "tokenized_data.jsonl").read_text().splitlines()]
+    written = [s for s in samples if s["source"] == "verifier-prompts"]
+    assert len(written) == 3 and all("#original" not in s["id"] for s in written)  # no dataset answer to keep
+    assert sum(s["id"].endswith("#original") for s in samples) == 3  # the file's three, with their answers
+    for s in written:
+        text = tokenizer.decode(s["input_ids"])
+        user = text.split("<|im_start|>user\n")[1].split("<|im_end|>")[0]
+        assert len(user.split()) >= 4 and "<|im_start|>assistant\n" in text and sum(s["loss_mask"]) > 0
+    man = json.loads((out / "manifest.json").read_text())
+    row = next(r for r in man["sources"] if r["source"] == "verifier-prompts")
+    assert row["samples"] == 3 and row["written"]["kept"] == 3 and row["written"]["asked"] >= 3
+    saved = next(out.glob("verifier-prompts-*.json"))
+    proc = run_script("01_prepare_dataset.py", *args)
+    assert proc.returncode == 0 and "3 prompts read from" in proc.output and "already done" in proc.output
+    assert [json.loads(l) for l in (out / "tokenized_data.jsonl").read_text().splitlines()] == samples
+    assert next(out.glob("verifier-prompts-*.json")) == saved
