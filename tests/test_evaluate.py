@@ -21,6 +21,11 @@ def test_breakdown_places_each_verify_step_where_its_drafts_start():
     md = markdown_table([row], "test")
     assert "k=3 by prompt category" in md and "| writing | 3 | 2.333 | 0.667 / 0.333 / 0.333 |" in md
     assert "| 4-5 | 1 | 4.000 | 1.000 / 1.000 / 1.000 |" in md
+    # this run's own prompts: the same steps grouped by the --dataset entry each prompt came from
+    by_source = acceptance_breakdown(steps, ["packaged", "verifier-prompts"], k=3, bucket=2, group_key="by_source")
+    assert by_source["by_source"]["verifier-prompts"] == out["by_category"]["math"] and "by_category" not in by_source
+    md = markdown_table([dict(row, breakdown=by_source)], "test")
+    assert "k=3 by prompt source (--dataset entry)" in md and "| packaged | 3 | 2.333 |" in md
 
 
 def test_concurrency_one_sits_beside_the_whole_batch_figure():
