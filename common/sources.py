@@ -90,17 +90,6 @@ def iter_hf(name, split):
         yield f"{name}[{i}]", rec
 
 
-def describe_source(spec):
-    """Identity of a dataset for manifests: local files get a size and mtime."""
-    if spec == "packaged":
-        p = packaged_sharegpt_path()
-        return {"dataset": "packaged", "path": str(p), "bytes": p.stat().st_size}
-    p = Path(spec)
-    if p.is_file():
-        return {"dataset": spec, "path": str(p.resolve()), "bytes": p.stat().st_size, "mtime": p.stat().st_mtime}
-    return {"dataset": spec}
-
-
 def check_source(spec):
     """Cheap existence check for --dry-run and preflight."""
     if spec == "packaged":
