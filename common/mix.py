@@ -181,7 +181,7 @@ def select_conversations(cfg, log, parts, evals):
         row.update(read=read, selected=len(chosen), skipped=dict(part_skips))
         log.info("source %s: read %d records in %.1fs, took %d%s; skipped %s", part.name, read, time.time() - t0,
                  len(chosen), f" of its share {quota}" if quota else "", dict(part_skips) or "none")
-        if quota and len(chosen) < quota:
+        if quota and len(chosen) < quota and len(parts) > 1:  # a mix's shares are then off
             log.warning("source %s: %d conversations for a share of %d", part.name, len(chosen), quota)
         skips.update(part_skips)
         sources.update((ref, part.name) for ref, _ in chosen)
