@@ -17,8 +17,8 @@ from common.decontam import EvalPrompts
 from common.mix import check_mix, describe_mix, parse_mix, select_conversations
 from common.prepare import DATASET_ANSWER, per_source, regenerate, token_stats, tokenize_all
 from common.stage import ensure_writable, start
+from common.verifier_prompts import SOURCE as VERIFIER, write_prompts
 
-VERIFIER = "verifier-prompts"
 TRUNCATION_POLICY = ("keep the first --max-seq-len tokens; a sample with no assistant token left is dropped "
                      "and counted as no_assistant_after_truncation")
 
@@ -44,7 +44,6 @@ def written_prompts(engine, tok, cfg, model_dir, out, evals, log, mix_stats, sou
     row = next((r for r in mix_stats if r["source"] == VERIFIER), None)
     if not row:
         return []
-    from common.verifier_prompts import write_prompts
     convs, stats = write_prompts(engine.get, tok, row["quota"], cfg, model_dir, out, evals, log)
     row.update(selected=len(convs), written=stats)
     sources.update((ref, VERIFIER) for ref, _ in convs)

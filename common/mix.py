@@ -47,6 +47,11 @@ class Part:
     weight: float
     source: Source
 
+    @property
+    def written(self):
+        """The verifier writes this part's prompts (stage 1 fills it after its model load)."""
+        return self.source.read is None and self.name in NAMED
+
 
 def _file_or_hub(name):
     path = Path(name).expanduser()
@@ -93,7 +98,7 @@ def parse_mix(spec):
 
 def check_mix(parts, cfg):
     """What the mix needs from other options, before any read or load."""
-    generated = [p.name for p in parts if p.source.read is None and p.name in NAMED]
+    generated = [p.name for p in parts if p.written]
     if len(parts) > 1 and not cfg.num_samples:
         raise UsageError(f"--dataset {cfg.dataset}: a mix needs --num-samples (its weights are shares of it)")
     if generated and not cfg.regenerate:
@@ -155,7 +160,7 @@ def select_conversations(cfg, log, parts, evals):
     for part, quota in zip(parts, quotas(parts, cfg.num_samples)):
         row = {"source": part.name, "weight": part.weight, "quota": quota}
         stats.append(row)
-        if part.source.read is None and part.name in NAMED:  # written by the verifier, later
+        if part.written:
             continue
         t0 = time.time()
         got, part_skips, read = read_source(part, cfg)
