@@ -4,7 +4,7 @@
 # held-out samples' states per data set and the logs come back in 15 MiB parts ($OUT/ab.tar.part-*).
 #   tar czf .ab/data/NAME.tgz -C RUN prepared     (here, for each data set: stage 1's folder only)
 #   bench/ab_data.sh VARIANTS_FILE                (there; lines NAME=04_train options, NAME naming .ab/data/NAME.tgz)
-# Needs what bench/ab_device.sh needs (/tmp/site, the GGUF's two parts). Here afterwards:
+# AB_SHARDS=N extracts each data set in N processes first. Needs what bench/ab_device.sh needs (/tmp/site, the GGUF's two parts). Here afterwards:
 #   cat FILES/ab.tar.part-* | tar x -C runs/abd && bench/ab_serve.sh runs/abd/W-NAME runs/abd/NAME ... per data set
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -16,6 +16,13 @@ one() {  # NAME OPTIONS: stages 2-4 of one data set
   local name=$1 opts=$2 W=$root/W-$1
   if [[ ! -f $W/hidden_states/manifest.json ]]; then
     mkdir -p "$W" && tar xzf ".ab/data/$name.tgz" -C "$W" || return 1
+  fi
+  if (( ${AB_SHARDS:-1} > 1 )); then  # extraction is the GPU half's bottleneck: N processes, one folder
+    for ((i = 0; i < AB_SHARDS; i++)); do
+      OMP_NUM_THREADS=2 timeout "${AB_XLIMIT:-${AB_LIMIT:-520}}" python3 02_extract_hidden_states.py --config configs/smollm2-135m.yaml \
+        --work-dir "$W" --backend hf --shard-index $i --num-shards "$AB_SHARDS" > "$root/$name.x$i.log" 2>&1 &
+    done
+    wait
   fi
   # shellcheck disable=SC2086
   PY=python3 timeout "${AB_LIMIT:-520}" bench/gpu_ab.sh "$W" configs/smollm2-135m.yaml 234 "$name=$opts" \
@@ -31,6 +38,6 @@ for v in "${variants[@]}"; do
   [[ -f $run/train/manifest.json ]] && mkdir -p "$packs/states-${v%%=*}" &&
     python3 bench/draft_transport.py states "$packs/states-${v%%=*}" "$run" "${PARITY_PROMPTS:-2}"
 done
-tar czf "$packs/logs.tgz" "$root"/*.log "$root"/W-*.log "$root"/W-*/logs 2>/dev/null
+tar czf "$packs/logs.tgz" "$root"/*.log "$root"/W-*/logs 2>/dev/null
 tar cf - -C "$packs" . | split -b 15M - "$OUT/ab.tar.part-"
 ls -la "$OUT"

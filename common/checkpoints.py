@@ -2,6 +2,7 @@
 import os
 import random
 import shutil
+import time
 
 import numpy as np
 import torch
@@ -65,6 +66,8 @@ def save_checkpoint(ckpt_dir, weights, opt_state, sched, state):
     tmp.mkdir(parents=True)
     try:
         save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "trainable.safetensors"))
+        if os.environ.get("EAGLE3_TEST_SLOW_CHECKPOINT_S"):  # tests: a slow disk, a kill mid-write
+            time.sleep(float(os.environ["EAGLE3_TEST_SLOW_CHECKPOINT_S"]))
         torch.save({"optimizer": opt_state, "scheduler": sched.state_dict(), "rng": rng_state(), **state},
                    tmp / "state.pt")
         write_json_atomic(tmp / "meta.json", {k: v for k, v in state.items() if k != "history"})

@@ -133,6 +133,9 @@ OPTIONS = [
     Opt("num_workers", int, 2, "background data-loading workers", stages="4", range="[0, inf)"),
     Opt("save_every", int, 0, "checkpoint every N steps (0 = epoch ends only)", stages="4", range="[0, inf)"),
     Opt("keep_last", int, 2, "checkpoints kept besides the best", stages="4", range="[0, inf)"),
+    Opt("dist_timeout", int, 1800, "several ranks: seconds a rank waits in a collective for the others before the run "
+        "aborts (rank 0's checkpoint writes are waited for apart, as long as their size needs)", stages="4",
+        range="[5, 86400]"),
     Opt("export_format", str, "speculators", "final draft layout", stages="4", choices=("speculators", "eagle")),
     Opt("reference_config", str, "", "compare exported names/shapes with this reference checkpoint", stages="4"),
     Opt("draft_num_heads", int, 0, "draft attention heads (0 = verifier's)", stages="4", range="[0, inf)"),
@@ -198,7 +201,7 @@ OPTIONS = [
 BY_NAME = {o.name: o for o in OPTIONS}
 # stage-4 options that change how it runs, not the draft it trains: run_pipeline.sh does not train again for them
 RUNTIME_OPTIONS = {"num_workers", "save_every", "keep_last", "reference_config", "device", "parallel", "amp", "compile",
-                   "num_threads"}
+                   "num_threads", "dist_timeout"}
 
 
 def trained_with(cfg):

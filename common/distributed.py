@@ -1,5 +1,6 @@
 """One process or many (torchrun): device and process group, DDP/FSDP wrapping, sums over ranks."""
 import os
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -23,8 +24,38 @@ def dist_setup(cfg):
     else:
         device = torch.device("cpu")
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=cfg.dist_timeout))
     return rank, world, device
+
+
+# the slowest checkpoint disk we plan for (network storage); a Kimi DFlash checkpoint, 41.75 GB, took 80 s on an
+# H200 node's local disk and would take ~70 min at this rate
+SLOW_DISK_BYTES_PER_S = 10e6
+
+
+def checkpoint_wait(nbytes):
+    """Seconds the other ranks wait for rank 0 to write a checkpoint of `nbytes`: 30 min, or its size at a slow disk's
+    rate where that is longer."""
+    return max(1800.0, nbytes / SLOW_DISK_BYTES_PER_S)
+
+
+def after_rank0_writes(rank, world, name, seconds):
+    """Every rank returns once rank 0 has written checkpoint `name`. The others wait on the rendezvous store, not in
+    a collective, so the write (minutes for a Kimi checkpoint, more on a slow disk) never runs into the process
+    group's timeout (--dist-timeout); they wait `seconds`, then stop in one line."""
+    if world == 1:
+        return
+    store = dist.distributed_c10d._get_default_store()
+    key = f"eagle3/checkpoint/{name}"
+    if rank == 0:
+        store.set(key, "written")
+        return
+    try:
+        store.wait([key], timedelta(seconds=seconds))
+    except RuntimeError as exc:  # torch's store timeout (DistStoreError is a RuntimeError)
+        raise UsageError(f"rank {rank}: rank 0 did not finish writing checkpoint {name} within {seconds:.0f} s "
+                         f"({str(exc).splitlines()[0][:120]}); the checkpoints before it are kept: run the same "
+                         f"command to resume") from None
 
 
 def dist_teardown(world):

@@ -35,7 +35,7 @@ def export_draft(model, out_dir, cfg, aux_ids, verifier_name, verifier_config, e
     weights = export_weights(model, cfg.export_format)
     conf = draft_config(model.g, cfg, aux_ids, verifier_name, verifier_config)
     conf["eagle3_train"] = extra_meta  # layer convention, data, metrics: provenance for whoever serves it
-    with atomic_path(out / "model.safetensors") as tmp:
+    with atomic_path(out / "model.safetensors", sum(v.numel() * v.element_size() for v in weights.values())) as tmp:
         save_file(weights, str(tmp), metadata={"format": "pt"})
     write_json_atomic(out / "config.json", conf)
     return {k: list(v.shape) for k, v in weights.items()}

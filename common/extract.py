@@ -9,7 +9,7 @@ import torch
 
 from common.engine import compute_dtype
 from common.errors import UsageError
-from common.hidden_states import LAYER_CONVENTION, check_hidden, sample_path, write_sample
+from common.hidden_states import LAYER_CONVENTION, bytes_per_token, check_hidden, sample_path, write_sample
 from common.log import Progress
 
 
@@ -155,6 +155,8 @@ def extract(extractor, todo, records, out_dir, meta, cfg, log):
     """Run the extractor over `todo` sample indices; write, check and count. -> stats dict."""
     stats = {"samples": 0, "tokens": 0, "bytes": 0, "bad": {}}
     items = [(i, records[i]["input_ids"]) for i in todo]
+    per_token = bytes_per_token(len(meta["layer_ids"]), meta["hidden_size"], cfg.hs_dtype)
+    left = per_token * sum(len(ids) for _, ids in items)  # bytes still to write (named if the disk fills up)
     prog = Progress(len(items), "extract", interval=cfg.log_interval, extra_unit="tokens")
     t0 = time.time()
     for batch in token_batches(items, cfg.max_tokens_per_batch):
@@ -167,7 +169,8 @@ def extract(extractor, todo, records, out_dir, meta, cfg, log):
                 prog.update(1)
                 continue
             path = sample_path(out_dir, idx)
-            write_sample(path, hidden, token_ids, torch.tensor(rec["loss_mask"]), meta, cfg.hs_dtype)
+            write_sample(path, hidden, token_ids, torch.tensor(rec["loss_mask"]), meta, cfg.hs_dtype, left)
+            left -= per_token * len(token_ids)
             stats["samples"] += 1
             stats["tokens"] += len(token_ids)
             stats["bytes"] += os.path.getsize(path)

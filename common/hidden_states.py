@@ -38,7 +38,8 @@ def quantize_fp8(hidden):
     return (hidden / scale[..., None]).to(torch.float8_e4m3fn), scale
 
 
-def write_sample(path, hidden, token_ids, loss_mask, meta, hs_dtype="bfloat16"):
+def write_sample(path, hidden, token_ids, loss_mask, meta, hs_dtype="bfloat16", need=None):
+    """need: bytes the stage has still to write, this file included (named if the disk fills up)."""
     tensors = {"token_ids": token_ids.to(torch.int64).contiguous(),
                "loss_mask": loss_mask.to(torch.uint8).contiguous()}
     if hs_dtype == "float8_e4m3fn":
@@ -47,7 +48,7 @@ def write_sample(path, hidden, token_ids, loss_mask, meta, hs_dtype="bfloat16"):
     else:
         tensors["hidden_states"] = hidden.to(torch.bfloat16).contiguous()
     meta = {k: v if isinstance(v, str) else json.dumps(v) for k, v in meta.items()}
-    with atomic_path(path) as tmp:
+    with atomic_path(path, need) as tmp:
         save_file(tensors, str(tmp), metadata=dict(meta, storage_dtype=hs_dtype))
 
 

@@ -10,14 +10,31 @@ from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path
 
-from common.errors import UsageError
+from common.errors import UsageError, first_line
 
 MANIFEST = "manifest.json"
 
 
+# how a full disk (or a quota, or a file-size limit) reads in OSError, torch.save's RuntimeError and safetensors' error
+DISK_FULL = ("No space left", "Disk quota exceeded", "File too large", "os error 28", "os error 27", "os error 122",
+             "code: 28", "code: 27", "code: 122")
+
+
+def is_disk_full(exc):
+    import errno
+    return getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) or \
+        any(s in str(exc) for s in DISK_FULL)
+
+
+def fmt_size(n):
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
 @contextmanager
-def atomic_path(path):
-    """Yield a temporary path next to `path`; on success fsync it and rename it into place."""
+def atomic_path(path, need=None):
+    """Yield a temporary path next to `path`; on success fsync it and rename it into place. A full disk while
+    writing it is one line naming the path, the space there and `need` (bytes still to write, this file's and any
+    after it); the half-written file is removed, the finished ones and whatever `path` held stay."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
     try:
@@ -25,6 +42,14 @@ def atomic_path(path):
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp, path)
+    except Exception as exc:
+        if not is_disk_full(exc):
+            raise
+        free = shutil.disk_usage(path.parent).free
+        needed = f", ~{fmt_size(need)} needed" if need else ""
+        raise UsageError(f"writing {path} failed: the disk is full ({first_line(exc, 120)}; {fmt_size(free)} free "
+                         f"there{needed}); every file written before it is kept: free space and run the same command "
+                         f"to resume") from None
     finally:
         if tmp.exists():
             tmp.unlink()

@@ -8,7 +8,8 @@ import torch
 
 from common.checkpoints import gather_states, latest_checkpoint, load_checkpoint, prune_checkpoints, read_state, \
     save_checkpoint
-from common.distributed import agreed, all_reduce_sums, global_sums, wrap_parallel
+from common.distributed import after_rank0_writes, agreed, all_reduce_sums, checkpoint_wait, global_sums, \
+    wrap_parallel
 from common.drafts import method_of
 from common.drafts.layers import take_embedding, use_flex_on_cuda
 from common.drafts.losses import compile_loss
@@ -52,6 +53,11 @@ def add_noise(aux, scale, num_aux):
 RESUME_KEYS = ("epochs", "max_steps", "lr", "warmup_steps", "weight_decay", "grad_clip", "max_tokens_per_step", "seed",
                "val_fraction", "optimizer", "lr_schedule", "hidden_noise", "train_lm_head", "loss",
                "draft_init")  # + the method's options
+
+
+def sequence_seed(seed, epoch, index):
+    """One packed sequence's seed for its random draws (DFlash's anchors): the same on any rank or world size."""
+    return (seed * 1_000_003 + epoch) * 10_000_019 + index
 
 
 def method_shift(cfg):
@@ -128,6 +134,13 @@ class Trainer:
         self.state = {"step": 0, "epoch": 0, "seq": 0, "best": None, "best_step": None, "tokens": 0,
                       "train_seconds": 0.0, "world_size": world, "settings": self.settings}
         self.metrics_path = self.out / "metrics.jsonl"
+        # fp32 weights and two optimizer moments: what rank 0 writes while the other ranks wait for it
+        ckpt_bytes = 12 * sum(p.numel() for p in model.trainable_parameters())
+        self.checkpoint_wait = checkpoint_wait(ckpt_bytes)
+        if world > 1:
+            log.info("checkpoints of ~%.2f GB: the other ranks wait up to %s for rank 0 to write each (collectives "
+                     "time out after --dist-timeout %d s)", ckpt_bytes / 1e9, fmt_duration(self.checkpoint_wait),
+                     cfg.dist_timeout)
         self.data_wait = 0.0  # seconds the loop waited for the loader (logged as a share of each window)
 
     def _accumulation(self, asked):
@@ -186,14 +199,16 @@ class Trainer:
         weights, opt_state = gather_states(self.model, self.opt, self.fsdp)  # collective under FSDP
         if val is not None:
             self.state["validated_step"] = self.state["step"]  # a re-run of a finished run skips it
-        if self.rank != 0:
-            return time.time() - t0
         name = f"step_{self.state['step']}"
+        if self.rank != 0:
+            after_rank0_writes(self.rank, self.world, name, self.checkpoint_wait)
+            return time.time() - t0
         if val is not None and (self.state["best"] is None or val["acceptance_length"] > self.state["best"]):
             self.state["best"], self.state["best_step"] = val["acceptance_length"], self.state["step"]
         save_checkpoint(self.ckpt_dir / name, weights, opt_state, self.sched, dict(self.state))
         best = f"step_{self.state['best_step']}" if self.state["best_step"] is not None else None
         prune_checkpoints(self.ckpt_dir, self.cfg.keep_last, best)
+        after_rank0_writes(self.rank, self.world, name, self.checkpoint_wait)
         size, seconds = sum(f.stat().st_size for f in (self.ckpt_dir / name).iterdir()), time.time() - t0
         self.log.info("checkpoint %s: %.2f GB in %.1f s", name, size / 1e9, seconds)
         return seconds
@@ -261,8 +276,9 @@ class Trainer:
                 batch = to_device(batch, self.device, self.dtype)
                 if cfg.hidden_noise:
                     batch["aux"] = add_noise(batch["aux"], cfg.hidden_noise, self.model.g.num_aux)
+                seed = sequence_seed(cfg.seed, st["epoch"], st["seq"] + self.rank)  # this batch's global index
                 with autocast(self.device, self.bf16):
-                    loss, metrics = self.parallel_model(batch, *self.loss_args)
+                    loss, metrics = self.parallel_model(batch, *self.loss_args, **self.method.step_kwargs(seed))
                 (loss / self.grad_accum).backward()
                 losses.append(loss.detach())
                 accumulate(step_sums, metrics)

@@ -44,12 +44,46 @@ def pytest_runtest_call(item):
         yield
 
 
+def kill_tree(pid):
+    """SIGKILL `pid` and every process below it, whatever session each is in (a node failing, as far as a run
+    can tell)."""
+    children = {}
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            stat = Path(f"/proc/{d}/stat").read_text()
+            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(d))
+    tree, i = [pid], 0
+    while i < len(tree):
+        tree += children.get(tree[i], [])
+        i += 1
+    for p in tree:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(p, signal.SIGKILL)
+
+
+def run_cmd(cmd, timeout=900, env=None, **kw):
+    """Run a command in its own session -> CompletedProcess with combined text output in .output. However it ends
+    (exit, `timeout`, the per-test limit's TimeoutError), nothing of its session outlives it: vLLM's engine
+    processes, torchrun's ranks (ending only the command left them running, and slowing every later test)."""
+    proc = subprocess.Popen(list(map(str, cmd)), cwd=kw.pop("cwd", ROOT), env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True, **kw)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc.pid)  # torchrun starts each rank in a session of its own
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    done.output = out + err
+    return done
+
+
 def run_script(script, *args, timeout=900, check=False, env=None):
     """Run a numbered script; returns CompletedProcess with combined text output."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", **(env or {}))
-    proc = subprocess.run([sys.executable, str(ROOT / script), *map(str, args)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
-    proc.output = proc.stdout + proc.stderr
+    proc = run_cmd([sys.executable, ROOT / script, *args], timeout=timeout, env=env)
     if check and proc.returncode != 0:
         raise AssertionError(f"{script} exited {proc.returncode}:\n{proc.output[-4000:]}")
     return proc

@@ -1,15 +1,18 @@
-"""torchrun on CPU (gloo): 2 ranks x 1 micro-batch equal 1 process x 2 accumulated micro-batches,
-with DDP and with FSDP; an FSDP run resumed from a mid-run checkpoint ends where it would have."""
+"""torchrun on CPU (gloo): 2 ranks x 1 micro-batch equal 1 process x 2 accumulated micro-batches, with DDP (EAGLE-3
+and DFlash, Muon) and with FSDP; a run killed mid-checkpoint, or resumed from a mid-run checkpoint on 2 ranks or on 1,
+ends where it would have; a checkpoint write longer than --dist-timeout aborts no rank."""
 import json
+import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, run_script
+from conftest import kill_tree, ROOT, run_cmd, run_script
 
 ARGS = ["--draft-vocab-size", 512, "--max-steps", 3, "--max-tokens-per-step", 256, "--num-workers", 0,
         "--val-fraction", 0.2, "--lr", 1e-3, "--max-seq-len", 192, "--num-threads", 1, "--save-every", 1,
@@ -23,12 +26,31 @@ def make_work(extracted, work):
     return work
 
 
-def torchrun(work, *extra, port=29531):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
-           str(ROOT / "04_train.py"), "--work-dir", str(work), *map(str, ARGS), "--grad-accum", "1", *map(str, extra)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    return proc.stdout + proc.stderr
+def torchrun_cmd(work, *extra, port=29531):
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
+            str(ROOT / "04_train.py"), "--work-dir", str(work), *map(str, ARGS), "--grad-accum", "1", *map(str, extra)]
+
+
+def torchrun(work, *extra, port=29531, env=None):
+    proc = run_cmd(torchrun_cmd(work, *extra, port=port), timeout=600, env=dict(os.environ, **(env or {})))
+    assert proc.returncode == 0, proc.output[-3000:]
+    return proc.output
+
+
+def killed_mid_checkpoint(work, *extra):
+    """torchrun stage 4 SIGKILLed (every rank and torchrun itself) while rank 0 writes its step-2 checkpoint: the
+    weights file is in step_2.tmp, the rest not yet (the write is slowed to make the moment wide)."""
+    env = dict(os.environ, EAGLE3_TEST_SLOW_CHECKPOINT_S="6")
+    proc = subprocess.Popen(torchrun_cmd(work, *extra), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    tmp = work / "train" / "checkpoints" / "step_2.tmp"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (tmp / "trainable.safetensors").exists() and proc.poll() is None:
+        time.sleep(0.05)
+    kill_tree(proc.pid)  # torchrun and its ranks (each in a session of its own)
+    proc.wait()
+    assert (tmp / "trainable.safetensors").exists() and not (tmp / "state.pt").exists()
+    assert sorted(p.name for p in tmp.parent.iterdir()) == ["step_1", "step_2.tmp"]
 
 
 def verifier_head_rows(work):
@@ -70,23 +92,37 @@ def single(extracted, tmp_path_factory):
     return get
 
 
+DFLASH = ("--draft-method", "dflash", "--block-size", 4, "--draft-layers", 2, "--max-anchors", 16)
+
+
 # FSDP also trains the lm_head (--train-lm-head) and EAGLE-3.1's per-layer fc norms: their gradients, sharded
 # state, checkpoints and resume
 # DDP with Muon: each rank orthogonalises its share of the matrices and broadcasts them (common/optim.py); AdamW's
-# update runs on every rank in the FSDP case
+# update runs on every rank in the FSDP case. The DDP runs are killed mid-checkpoint first and resumed.
+# DFlash draws its anchors at random: from each packed sequence's own seed, so 2 ranks draw what 1 process draws
 @pytest.mark.parametrize("parallel,extra", [("ddp", ("--optimizer", "muon")),
+                                            ("ddp", ("--optimizer", "muon", *DFLASH)),
                                             ("fsdp", ("--train-lm-head", "--draft-norms", "fc-norm"))],
-                         ids=["ddp_muon", "fsdp_head_norms"])
+                         ids=["ddp_muon", "ddp_dflash_muon", "fsdp_head_norms"])
 def test_torchrun_two_ranks_matches_accumulation(extracted, single, tmp_path, parallel, extra):
     ref = single(*extra)
     work = make_work(extracted, tmp_path / parallel)
-    torchrun(work, "--parallel", parallel, *extra)
+    fsdp, dflash = parallel == "fsdp", "dflash" in extra
+    if fsdp:
+        torchrun(work, "--parallel", parallel, *extra)
+    else:
+        killed_mid_checkpoint(work, "--parallel", parallel, *extra)
+        # resumed from the last whole checkpoint; the DFlash run's rank 0 takes 12 s a checkpoint, past an 8-s
+        # --dist-timeout: rank 1 waits for each write apart from the collectives and nothing aborts
+        slow = {"EAGLE3_TEST_SLOW_CHECKPOINT_S": "12"} if dflash else {}
+        out = torchrun(work, "--parallel", parallel, *extra, *(("--dist-timeout", 8) if dflash else ()), env=slow)
+        assert f"resumed from {work / 'train' / 'checkpoints' / 'step_1'}: step 1," in out, out[-3000:]
     last = last_step(ref)
     assert last_step(work) == last >= 2
     a, b = weights(ref, last), weights(work, last)
-    fsdp = parallel == "fsdp"
-    assert sorted(a) == sorted(b) and len(a) == 12 + 4 * fsdp and ("lm_head.weight" in a) == fsdp
-    assert ("fc_norm.2.weight" in a) == fsdp
+    assert sorted(a) == sorted(b) and ("lm_head.weight" in a) == fsdp
+    if not dflash:
+        assert len(a) == 12 + 4 * fsdp and ("fc_norm.2.weight" in a) == fsdp
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
     # the log shows the global batch's loss (all ranks), not rank 0's half of it
@@ -140,7 +176,7 @@ def test_a_global_batch_the_new_ranks_cannot_split_is_refused_in_one_line(extrac
     assert state["world_size"] == 1 and state["settings"]["global_batch"] == 1
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
            str(ROOT / "04_train.py"), "--work-dir", str(work), *map(str, ARGS), "--grad-accum", "1", "--max-steps", "1"]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = run_cmd(cmd, timeout=600)
     assert proc.returncode != 0
     assert ("error: checkpoints in " f"{work / 'train' / 'checkpoints'} were made by 1 rank with 1 sequences per optimizer "
             "step; 2 ranks cannot split them evenly") in proc.stderr, (proc.stdout + proc.stderr)[-3000:]

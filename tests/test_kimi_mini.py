@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from common.hidden_states import read_sample
-from conftest import greedy_gaps, manifest, ROOT, run_script, usage_error
+from conftest import greedy_gaps, manifest, ROOT, run_cmd, run_script, usage_error
 
 CONFIG = "configs/kimi-k2.5-mini.yaml"
 # 12 samples pack into one sequence: a step an epoch. A few steps, no one-at-a-time decoding: test_kimi_config.py
@@ -24,9 +24,8 @@ ARGS = ["--num-samples", 12, "--epochs", 4, "--lr", 2e-3, "--warmup-steps", 1, "
 @pytest.fixture(scope="module")
 def kimi_run(tmp_path_factory):
     work = tmp_path_factory.mktemp("kimi") / "w"
-    proc = subprocess.run(["bash", str(ROOT / "run_pipeline.sh"), CONFIG, "--work-dir", str(work), *map(str, ARGS)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=1800)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    proc = run_cmd(["bash", ROOT / "run_pipeline.sh", CONFIG, "--work-dir", work, *ARGS], timeout=1800)
+    assert proc.returncode == 0, proc.output[-4000:]
     return work
 
 
@@ -50,11 +49,10 @@ def test_pipeline_regenerates_extracts_trains_exports_and_serves(kimi_run):
     rows = {r["num_speculative_tokens"]: r for r in json.loads((kimi_run / "eval" / "acceptance.json").read_text())["results"]}
     assert sorted(rows) == [1, 2, 3] and rows[3].get("derived_from_k") is None
     assert rows[1]["derived_from_k"] == 3 and rows[2]["derived_from_k"] == 3  # one engine, not three model loads
-    per_pos = rows[3]["per_position_acceptance"]
-    assert rows[1]["acceptance_length"] == round(1 + per_pos[0], 4)
-    assert rows[2]["acceptance_length"] == round(1 + per_pos[0] + per_pos[1], 4)
-    assert rows[3]["drafts"] > 0 and rows[3]["prompts"] == 4
-    assert rows[3]["acceptance_length"] == round(1 + rows[3]["accepted_tokens"] / rows[3]["drafts"], 4)
+    # accepted: measured 40 of 214 drafts (2026-12-05, 2-core AMX Xeon; k=1/2/3 served 1.108 / 1.150 / 1.187); the
+    # floor is half, and every smaller k accepts less than the next (each fails at zero accepted tokens)
+    assert rows[3]["prompts"] == 4 and rows[3]["accepted_tokens"] >= 20, rows[3]
+    assert 1.05 < rows[1]["acceptance_length"] < rows[2]["acceptance_length"] < rows[3]["acceptance_length"], rows
     # vLLM's per-request verify steps, by MT-bench category and answer position, add up to its global counters
     for table in (rows[3]["breakdown"]["by_category"], rows[3]["breakdown"]["by_position"]):
         assert sum(v["drafts"] for v in table.values()) == rows[3]["drafts"]

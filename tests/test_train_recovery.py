@@ -18,9 +18,11 @@ from safetensors.torch import load_file
 from conftest import copy_work, OVERFIT, ROOT, run_script, usage_error, VOCAB
 
 
-def test_sigkill_resume_matches_uninterrupted(extracted, tmp_path):
+@pytest.mark.parametrize("extra", [(), ("--optimizer", "muon", "--draft-method", "dflash", "--block-size", 4,
+                                         "--draft-layers", 2, "--max-anchors", 16)], ids=["eagle3", "dflash_muon"])
+def test_sigkill_resume_matches_uninterrupted(extracted, tmp_path, extra):
     args = [*VOCAB, "--epochs", 4, "--max-tokens-per-step", 256, "--num-workers", 0, "--val-fraction", 0.5,
-            "--save-every", 2, "--keep-last", 3, "--log-interval", 0, "--lr", 1e-3, "--max-seq-len", 192]
+            "--save-every", 2, "--keep-last", 3, "--log-interval", 0, "--lr", 1e-3, "--max-seq-len", 192, *extra]
     runs = {}
     for name in ("straight", "killed"):
         work = copy_work(runs.get("straight") or extracted, tmp_path / name)

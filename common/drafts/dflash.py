@@ -87,7 +87,8 @@ def select_anchors(loss_mask, max_anchors, block_size, generator=None):
     valid = loss_mask.bool().clone()
     valid[-block_size:] = False
     idx = valid.nonzero().squeeze(-1)
-    perm = torch.randperm(idx.numel(), generator=generator, device=idx.device)[:max_anchors]
+    # drawn on the host: the generator the trainer passes is a CPU one (seeded per sequence, common/trainer.py)
+    perm = torch.randperm(idx.numel(), generator=generator)[:max_anchors].to(idx.device)
     return idx[perm].sort().values
 
 
@@ -293,6 +294,11 @@ class DFlashMethod(DraftMethod):
 
     def note(self, g, cfg):
         return geometry_note(g)
+
+    def step_kwargs(self, seed):
+        # its anchors: a generator per packed sequence, so they depend on neither rank, world size, accumulation
+        # nor a resume (the global generator is per process and only rank 0's state is checkpointed)
+        return {"generator": torch.Generator().manual_seed(seed)}
 
     def loss_args(self, cfg):
         return cfg.max_anchors, cfg.block_weights, cfg.loss or "ce", cfg.block_decay_gamma, cfg.dpace_alpha

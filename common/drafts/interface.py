@@ -43,6 +43,12 @@ class DraftMethod:
         """The forward's arguments after the batch: model(batch, *loss_args) -> (loss, metrics)."""
         return ()
 
+    def step_kwargs(self, seed):
+        """Keyword arguments of one training forward, from a seed that is the packed sequence's own (--seed, epoch,
+        its index in the epoch): a method that draws at random draws from it, so that a run on any number of ranks,
+        accumulating or resumed, draws what an uninterrupted one-process run draws."""
+        return {}
+
     def positions(self, cfg):
         """Drafted tokens per verify step: the per-position metrics' length and the k vLLM serves."""
         raise NotImplementedError
