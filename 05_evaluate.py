@@ -102,7 +102,8 @@ def main():
         tokens, secs, counters, steps, single, checked = run_engine(model_dir, cfg, prompts, spec, check)
         row = acceptance_row(k, tokens, secs, counters, base_tokens, base_s, single, base_single)
         row["breakdown"] = acceptance_breakdown(steps, [categories.get(r, "") for r in ids_kept], k,
-                                                group_key=group_key)
+                                                group_key=group_key,
+                                                prompt_lens=[len(p["prompt_token_ids"]) for p in prompts])
         rows.append(row)
         outputs[k], steps_by_k[k] = tokens, steps
         log.info("k=%d: acceptance length %.3f, per position %s, draft acceptance rate %.3f, %.1f tokens/s "

@@ -179,20 +179,40 @@ def _summary(accepted, k):
             "per_position_acceptance": [round(sum(a > i for a in accepted) / n, 4) for i in range(k)]}
 
 
-def acceptance_breakdown(steps, groups, k, bucket=BUCKET, group_key="by_category"):
-    """vLLM's verify steps per prompt -> acceptance per prompt category and per answer-position bucket (where
+# context lengths (prompt + answer so far, tokens) of the by-context breakdown: each bucket is [edge, next edge)
+CONTEXT_EDGES = (0, 1024, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
+
+
+def context_bucket(n):
+    """-> the label of the context bucket holding n tokens ("0-1K", "1K-4K", ..., "256K+")."""
+    label = lambda e: f"{e // 1024}K" if e else "0"  # noqa: E731
+    for lo, hi in zip(CONTEXT_EDGES, CONTEXT_EDGES[1:]):
+        if n < hi:
+            return f"{label(lo)}-{label(hi)}"
+    return f"{label(CONTEXT_EDGES[-1])}+"
+
+
+def acceptance_breakdown(steps, groups, k, bucket=BUCKET, group_key="by_category", prompt_lens=None):
+    """vLLM's verify steps per prompt -> acceptance per prompt category, per answer-position bucket (where
     the step's first drafted token falls: the answer's first token comes from the prefill, each step then
-    adds its accepted drafts + 1). None when the engine gave no per-request steps."""
+    adds its accepted drafts + 1) and, given each prompt's length in tokens, per context-length bucket (the prompt
+    plus the answer before the step: how far back the draft attends). None when the engine gave no per-request
+    steps."""
     if not steps or any(s is None for s in steps):
         return None
-    by_group, by_pos = {}, {}
-    for accepted, group in zip(steps, groups):
+    by_group, by_pos, by_ctx = {}, {}, {}
+    for i, (accepted, group) in enumerate(zip(steps, groups)):
         pos = 1
         for a in accepted:
             by_group.setdefault(group, []).append(a)
             by_pos.setdefault(pos // bucket, []).append(a)
+            if prompt_lens is not None:
+                by_ctx.setdefault(context_bucket(prompt_lens[i] + pos), []).append(a)
             pos += a + 1
     out = {"by_position": {f"{b * bucket}-{b * bucket + bucket - 1}": _summary(by_pos[b], k) for b in sorted(by_pos)}}
+    if by_ctx:
+        order = [context_bucket(e) for e in CONTEXT_EDGES]
+        out["by_context"] = {c: _summary(by_ctx[c], k) for c in order if c in by_ctx}
     if any(groups):
         out[group_key] = {g or "(none)": _summary(a, k) for g, a in sorted(by_group.items())}
     return out
@@ -297,7 +317,8 @@ def markdown_table(rows, label):
                       "their own; --exact-k-sweep runs one per k)."]
     for r in rows:
         for key, title in (("by_category", "prompt category"), ("by_source", "prompt source (--dataset entry)"),
-                           ("by_position", "answer positions (where a verify step starts)")):
+                           ("by_position", "answer positions (where a verify step starts)"),
+                           ("by_context", "context length (prompt + answer before the verify step, tokens)")):
             table = (r.get("breakdown") or {}).get(key)
             if table:
                 lines += ["", f"k={r['num_speculative_tokens']} by {title}", "",

@@ -26,6 +26,12 @@ def test_breakdown_places_each_verify_step_where_its_drafts_start():
     assert by_source["by_source"]["verifier-prompts"] == out["by_category"]["math"] and "by_category" not in by_source
     md = markdown_table([dict(row, breakdown=by_source)], "test")
     assert "k=3 by prompt source (--dataset entry)" in md and "| packaged | 3 | 2.333 |" in md
+    # by context length: prompt a of 1,020 tokens reaches 1K at its third step (1,020 + 4); prompt b has 5,000
+    ctx = acceptance_breakdown(steps, groups, k=3, prompt_lens=[1020, 5000])["by_context"]
+    assert list(ctx) == ["0-1K", "1K-4K", "4K-8K"], ctx
+    assert [ctx[c]["drafts"] for c in ctx] == [2, 1, 2] and ctx["0-1K"]["acceptance_length"] == 1.5
+    assert ctx["1K-4K"]["per_position_acceptance"] == [1.0, 1.0, 1.0] and ctx["4K-8K"]["acceptance_length"] == 2.0
+    assert "k=3 by context length" in markdown_table([dict(row, breakdown={"by_context": ctx})], "test")
 
 
 def test_concurrency_one_sits_beside_the_whole_batch_figure():
