@@ -1,5 +1,6 @@
 """Atomic file writes and stage manifests: a kill at any moment never leaves a half-written file
 under a final name, and a later stage refuses inputs that do not match what it expects."""
+import errno
 import hashlib
 import json
 import os
@@ -21,7 +22,6 @@ DISK_FULL = ("No space left", "Disk quota exceeded", "File too large", "os error
 
 
 def is_disk_full(exc):
-    import errno
     return getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) or \
         any(s in str(exc) for s in DISK_FULL)
 

@@ -44,14 +44,20 @@ def pytest_runtest_call(item):
         yield
 
 
+def proc_stat(pid):
+    """-> (name, state, parent pid) of a process from /proc/PID/stat; OSError when it is gone."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+    return stat[stat.index("(") + 1:stat.rindex(")")], state, int(ppid)
+
+
 def kill_tree(pid):
     """SIGKILL `pid` and every process below it, whatever session each is in (a node failing, as far as a run
     can tell)."""
     children = {}
     for d in filter(str.isdigit, os.listdir("/proc")):
         with contextlib.suppress(OSError):
-            stat = Path(f"/proc/{d}/stat").read_text()
-            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(d))
+            children.setdefault(proc_stat(d)[2], []).append(int(d))
     tree, i = [pid], 0
     while i < len(tree):
         tree += children.get(tree[i], [])
@@ -96,9 +102,9 @@ def session_processes(sid, wait=20):
         left = []
         for d in filter(str.isdigit, os.listdir("/proc")):
             try:
-                stat = Path(f"/proc/{d}/stat").read_text()
-                if os.getsid(int(d)) == sid and stat.rsplit(")", 1)[1].split()[0] != "Z":  # zombies hold nothing
-                    left.append((stat[stat.index("(") + 1:stat.rindex(")")], int(d)))
+                name, state, _ = proc_stat(d)
+                if os.getsid(int(d)) == sid and state != "Z":  # zombies hold nothing
+                    left.append((name, int(d)))
             except OSError:
                 pass
         if not left or time.time() > deadline:

@@ -5,9 +5,8 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-from conftest import ROOT
+from conftest import proc_stat, ROOT
 
 HANGS = """
 import subprocess, sys, time
@@ -26,10 +25,9 @@ def test_a_stage_that_hangs():
 
 def alive(pid):
     try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return proc_stat(pid)[1] != "Z"  # a zombie holds nothing
     except OSError:
         return False
-    return state != "Z"  # a zombie holds nothing
 
 
 def test_the_limit_ends_a_hung_stage_and_the_processes_it_started(tmp_path):
