@@ -65,7 +65,7 @@ def main():
     # Inputs first (seconds), then the verifier's config (seconds), then anything expensive.
     evals = EvalPrompts()
     convs, skips, n_read, sources, mix_stats = select_conversations(cfg, log, parts, evals)
-    model_dir, model_config = open_verifier(cfg, log)
+    model_dir, model_config = open_verifier(cfg, log, extra_positions=1)
     if cfg.regenerate:
         from common.engine import check_parallel, cpu_mla_fallback
         check_parallel(cfg, model_config)

@@ -23,7 +23,7 @@ from common.stage import ensure_writable, start
 def preflight(cfg, log):
     """Everything that can fail, in seconds, before the model loads."""
     prep_man, records = load_prepared(cfg.work_dir)
-    model_dir, text_cfg = open_verifier(cfg, log)
+    model_dir, text_cfg = open_verifier(cfg, log, extra_positions=1)
     if prep_man["params"]["model_dir"] != model_dir and prep_man["params"]["verifier"] != cfg.verifier:
         raise UsageError(f"prepared data was tokenized for verifier {prep_man['params']['verifier']}, not "
                          f"{cfg.verifier}; re-run 01_prepare_dataset.py or pass the same --verifier")

@@ -27,6 +27,7 @@ from common.models import load_tokenizer, open_verifier
 from common.stage import ensure_writable, start
 from common.build_draft import build_model, geometry, trainable_parameters, verifier_init_plan
 from common.drafts import method_of
+from common.drafts.layers import rope_note
 from common.train_preflight import checkpoint_disk, micro_batch_memory, read_inputs, refuse_oversized, \
     require_speculators
 from common.checkpoints import latest_checkpoint, load_weights
@@ -154,10 +155,10 @@ def finish(cfg, log, model, g, layer_ids, model_dir, text_cfg, state, val_rows, 
         log.info("best validation: full acc %s, cond acc %s, simulated acceptance length %.3f",
                  " / ".join(f"{best_val[f'full_acc_{i}']:.3f}" for i in range(k)),
                  " / ".join(f"{best_val[f'cond_acc_{i}']:.3f}" for i in range(k)), best_val["acceptance_length"])
-    log.info("context: the draft trained on samples of up to %d tokens (--max-seq-len) with plain RoPE at theta %g; "
-             "the serve command below caps --max-model-len there (raise it knowingly: acceptance past the trained "
-             "context is unmeasured: 05_evaluate.py --eval-dataset mtbench-long, or a JSONL of long prompts)",
-             cfg.max_seq_len, g.rope_theta)
+    log.info("context: the draft trained on samples of up to %d tokens (--max-seq-len) with the verifier's rotary "
+             "embedding (%s, exported with it for %d positions); the serve command below caps --max-model-len at the "
+             "trained length (raise it knowingly: 05_evaluate.py --eval-dataset mtbench-long measures acceptance by "
+             "context length)", cfg.max_seq_len, rope_note(g), g.max_position_embeddings)
     log.info("serve it (OpenAI-compatible server on port 8000): %s", serve_command(model_dir, final, cfg))
     return 0
 

@@ -40,7 +40,7 @@ def link_inputs(run, w):
 def ours_from_checkpoint(packs, run, w, model_dir):
     """Stage 4's export of the checkpoint the call returned, with a manifest as stage 4 writes it."""
     meta = json.loads((packs / "ours.checkpoint.meta.json").read_text())
-    g = DFlashGeometry(**meta["settings"]["geometry"])
+    g = DFlashGeometry.from_dict(meta["settings"]["geometry"])
     d2t = np.load(w / "vocab" / "d2t.npy")
     model = build_model(g, model_dir, d2t + np.arange(len(d2t)))
     model.load_state_dict({k: v.float() for k, v in load_file(str(packs / "ours.checkpoint.safetensors")).items()},

@@ -2,6 +2,7 @@
 import torch
 
 from common.drafts import method, method_of
+from common.drafts.layers import STATIC_ROPE, rope_parameters
 from common.errors import UsageError
 from common.models import load_verifier_pieces, read_tensor, verifier_layer_tensors
 
@@ -17,13 +18,15 @@ def geometry(cfg, text_cfg, draft_vocab, num_aux, tokenizer=None, log=None):
 
 def _shared(cfg, text_cfg):
     heads = cfg.draft_num_heads or text_cfg.num_attention_heads
-    rope_theta = getattr(text_cfg, "rope_theta", None) or \
-        (getattr(text_cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    rope = rope_parameters(text_cfg)
+    if rope["rope_type"] not in STATIC_ROPE:
+        raise UsageError(f"the verifier's rotary embedding is rope_type {rope['rope_type']!r}: a draft trains with "
+                         f"{', '.join(STATIC_ROPE)} only (vLLM would serve it at angles training never used)")
     return dict(hidden_size=text_cfg.hidden_size, num_heads=heads,
                 num_kv_heads=cfg.draft_num_kv_heads or getattr(text_cfg, "num_key_value_heads", None) or heads,
                 head_dim=cfg.draft_head_dim or getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // heads,
                 intermediate_size=cfg.draft_intermediate_size or text_cfg.intermediate_size,
-                rms_norm_eps=getattr(text_cfg, "rms_norm_eps", 1e-6), rope_theta=float(rope_theta),
+                rms_norm_eps=getattr(text_cfg, "rms_norm_eps", 1e-6), rope_theta=rope["rope_theta"], rope_parameters=rope,
                 max_position_embeddings=getattr(text_cfg, "max_position_embeddings", 4096),
                 verifier_vocab_size=text_cfg.vocab_size)
 

@@ -54,8 +54,8 @@ def serve_command(model_dir, draft_dir, cfg, port=8000):
     from common.engine import on_cpu
     spec = json.dumps({"method": cfg.draft_method, "model": str(Path(draft_dir).resolve()),
                        "num_speculative_tokens": speculative_tokens(cfg)})
-    # the context the draft trained on (plain RoPE, samples of --max-seq-len tokens at most): past it, acceptance
-    # is untested (users report it collapsing at 20-40K tokens); a longer --max-model-len is the user's informed choice
+    # the context the draft trained on (samples of --max-seq-len tokens at most): past it, acceptance is untested
+    # (users report it collapsing at 20-40K tokens); a longer --max-model-len is the user's informed choice
     parts = ["python", "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--port", str(port),
              "--speculative-config", spec, "--max-model-len", str(cfg.max_seq_len)]
     if cfg.tensor_parallel_size > 1:

@@ -43,6 +43,11 @@ MEDIA_PROC_CFG = {"in_patch_limit": 16384, "patch_size": 14, "image_mean": [0.5,
                   "max_num_frames_each_video": None, "temporal_merge_kernel_size": 4, "timestamp_mode": "hh:mm:ss.fff"}
 
 
+# Kimi-K2.5's rotary embedding: YaRN, factor 64 over 4,096 original positions (262,144 served)
+YARN = {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0,
+        "mscale": 1.0, "mscale_all_dim": 1.0}
+
+
 def text_config(vocab_size, eos_id):
     """DeepSeek-V3 text config as Kimi-K2.5's `text_config` (model_type kimi_k2), miniature sizes."""
     return dict(
@@ -52,7 +57,8 @@ def text_config(vocab_size, eos_id):
         first_k_dense_replace=1, moe_layer_freq=1, kv_lora_rank=512, q_lora_rank=64, qk_nope_head_dim=128,
         qk_rope_head_dim=64, v_head_dim=128, topk_method="noaux_tc", scoring_func="sigmoid", n_group=1,
         topk_group=1, routed_scaling_factor=2.827, norm_topk_prob=True, hidden_act="silu",
-        max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=50000.0, tie_word_embeddings=False,
+        max_position_embeddings=262144, rms_norm_eps=1e-5, rope_theta=50000.0, rope_scaling=dict(YARN),
+        tie_word_embeddings=False,
         bos_token_id=eos_id, eos_token_id=eos_id, num_nextn_predict_layers=0)
 
 

@@ -162,15 +162,27 @@ def hub_snapshot(repo_id, create=True):
     return str(folder)
 
 
-def open_verifier(cfg, log):
+def open_verifier(cfg, log, extra_positions=0):
     """--verifier resolved (embedded, local folder, hub id), its language-model config read and its weights'
-    headers checked: every stage's first seconds, before any model load. -> (model folder, text config)."""
+    headers checked: every stage's first seconds, before any model load. -> (model folder, text config).
+    extra_positions: what the stage adds to --max-seq-len (stage 2's engine generates one token past a sample)."""
     model_dir = resolve_verifier(cfg.verifier, create=not cfg.dry_run)
     text_cfg = load_verifier_config(model_dir, cfg.trust_remote_code)
     if text_cfg is None:  # dry run of an embedded model before its first conversion
         text_cfg = embedded_text_config(cfg.verifier)
+    check_context(cfg, text_cfg, extra_positions)
     check_verifier(cfg.verifier, model_dir, text_cfg, log)
     return model_dir, text_cfg
+
+
+def check_context(cfg, text_cfg, extra=0):
+    """--max-seq-len within the positions the verifier has: vLLM would refuse a longer context at engine start, and a
+    draft would train at positions its verifier never serves."""
+    limit, seq = getattr(text_cfg, "max_position_embeddings", None), getattr(cfg, "max_seq_len", None)
+    if limit and seq and seq + extra > limit:
+        why = ", and stages 1-2 need one more than the longest sample (stage 2's engine generates one)" if extra else ""
+        raise UsageError(f"--max-seq-len {seq}: the verifier {cfg.verifier} has {limit} positions "
+                         f"(max_position_embeddings in its config){why}; use --max-seq-len {limit - extra} or less")
 
 
 def check_verifier(spec, model_dir, text_cfg, log):

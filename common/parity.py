@@ -28,7 +28,7 @@ def load_exported_draft(work, device="cpu"):
     m = method_of(man["params"])
     d2t = np.load(work / "vocab" / "d2t.npy")
     model_dir = json.loads((work / "prepared" / "manifest.json").read_text())["params"]["model_dir"]
-    model = build_model(m.geometry_class()(**man["params"]["geometry"]), model_dir, d2t + np.arange(len(d2t)))
+    model = build_model(m.geometry_class().from_dict(man["params"]["geometry"]), model_dir, d2t + np.arange(len(d2t)))
     exported = m.import_weights(load_file(str(work / "final_draft" / "model.safetensors")))
     model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in exported.items()}, strict=False)
     return model.eval().to(device), torch.as_tensor(d2t)

@@ -14,11 +14,12 @@ SHAPES = ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_
 def trained_view(train_params):
     """The fields as stage 4 trained them, from its manifest's params (geometry, layer ids, method)."""
     from common.drafts import method_of
+    from common.drafts.layers import normal_rope
     g = train_params["geometry"]
     m = method_of(train_params)
-    view = {k: g[k] for k in SHAPES}
+    view = {k: g[k] for k in SHAPES + ("max_position_embeddings",)}
     view.update(method=m.name, aux_layer_ids=list(train_params["layer_ids"][:-1]),
-                rope={"rope_type": "default", "rope_theta": float(g["rope_theta"])})  # plain RoPE, as trained
+                rope=normal_rope(g.get("rope_parameters") or {"rope_type": "default", "rope_theta": g["rope_theta"]}))
     view.update(m.trained_fields(g, train_params))
     return view
 
@@ -28,11 +29,11 @@ def served_view(draft_dir):
     from vllm.transformers_utils.config import get_config
 
     from common.drafts import method_of_export
+    from common.drafts.layers import rope_parameters
     hf = get_config(str(draft_dir), trust_remote_code=False)
     raw = json.loads((Path(draft_dir) / "config.json").read_text())
     m = method_of_export(raw)
     heads = hf.num_attention_heads
-    rope = dict(getattr(hf, "rope_parameters", None) or {})
     view = {"hidden_size": hf.hidden_size, "num_heads": heads,
             "num_kv_heads": getattr(hf, "num_key_value_heads", None) or heads,
             "head_dim": getattr(hf, "head_dim", None) or hf.hidden_size // heads,
@@ -42,7 +43,7 @@ def served_view(draft_dir):
             # Model Runner V2 (vLLM 0.33 on GPUs) reads the top-level key only; V1 also the nested one
             "aux_layer_ids": list(getattr(hf, "eagle_aux_hidden_state_layer_ids", None) or []),
             "num_layers": hf.num_hidden_layers,
-            "rope": {k: (float(v) if k == "rope_theta" else v) for k, v in rope.items()}}
+            "rope": rope_parameters(hf), "max_position_embeddings": hf.max_position_embeddings}
     view.update(m.served_fields(hf, raw))  # where its reader and its runners could disagree, both readings
     return view
 

@@ -198,7 +198,7 @@ REHEARSED = ["--max-seq-len", 512, "--max-new-tokens", 32, "--max-tokens-per-ste
              "--val-fraction", 0.2, "--eval-limit", 2]  # what run_pipeline.sh --rehearse sets for stages 4-5
 
 
-def train_longer_and_serve(rehearsal, dest, config, args, env=None, steps=24):
+def train_longer_and_serve(rehearsal, dest, config, args, env=None, steps=60):
     """A rehearsal trains its draft 2 steps: too few to accept anything, so a served acceptance of 0 would pass.
     Its stages 1-3 again with `steps` steps (lr 2e-3, short warm-up), then stage 5 (the rehearsal's baseline
     decoding reused) -> stage 5's row of the largest k."""

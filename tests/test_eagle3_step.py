@@ -50,8 +50,8 @@ def dense_reference(m, b, ttt, decay, loss="kl"):
         ids = torch.cat([b["ids"][k:], b["ids"].new_zeros(k)])
         normed = layer.hidden_norm(hidden)
         x = torch.cat([layer.input_layernorm(m.embed_tokens(ids)), normed], -1)
-        q = rope(at.q_proj(x).view(T, g.num_heads, -1).transpose(0, 1), pos + k, g.rope_theta)
-        ks.append(rope(at.k_proj(x).view(T, g.num_kv_heads, -1).transpose(0, 1), pos + k, g.rope_theta))
+        q = rope(at.q_proj(x).view(T, g.num_heads, -1).transpose(0, 1), pos + k, at.rotary)
+        ks.append(rope(at.k_proj(x).view(T, g.num_kv_heads, -1).transpose(0, 1), pos + k, at.rotary))
         vs.append(at.v_proj(x).view(T, g.num_kv_heads, -1).transpose(0, 1))
         full_mask = torch.cat([causal] + [torch.eye(T, dtype=torch.bool)] * k, 1)
         rep = g.num_heads // g.num_kv_heads

@@ -18,7 +18,7 @@ from conftest import greedy_gaps, manifest, ROOT, run_cmd, run_script, usage_err
 CONFIG = "configs/kimi-k2.5-mini.yaml"
 # 12 samples pack into one sequence: a step an epoch. A few steps, no one-at-a-time decoding: test_kimi_config.py
 # serves a draft of this architecture trained to a measured floor, and its rehearsal decodes one at a time
-ARGS = ["--num-samples", 12, "--epochs", 4, "--lr", 2e-3, "--warmup-steps", 1, "--eval-limit", 4, "--latency-prompts", 0]
+ARGS = ["--num-samples", 12, "--epochs", 10, "--lr", 2e-3, "--warmup-steps", 1, "--eval-limit", 4, "--latency-prompts", 0]
 
 
 @pytest.fixture(scope="module")

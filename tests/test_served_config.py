@@ -4,6 +4,7 @@ trained with: attention causality per layer, aux ids in vLLM's numbering, mask t
 head dims, the EAGLE-3.1 norms, vocab maps, dtype. For both methods and both export formats, at the shipped Kimi
 configs' geometry relations (heads x head dim != hidden, fewer KV heads, norm_before_residual false) and at the
 shipped Kimi configs' own widths. Fast: no engine, no training."""
+import dataclasses
 import json
 from types import SimpleNamespace
 
@@ -12,10 +13,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from common import mini_kimi
 from common.build_draft import geometry
 from common.config import parse_config
 from common.drafts.dflash import DFlashDraft, DFlashGeometry
 from common.drafts.eagle3 import DraftGeometry, Eagle3Draft
+from common.drafts.layers import Rotary
 from common.export import draft_config, export_draft
 from common.served import differences, served_view, trained_view
 from conftest import ROOT
@@ -101,8 +104,11 @@ def test_a_hand_edited_field_is_named(tmp_path):
 
 # Kimi-K2.5's text config (DeepSeek-V3 layout), the fields the draft's geometry takes from the verifier
 KIMI = SimpleNamespace(hidden_size=7168, num_attention_heads=64, num_key_value_heads=64, intermediate_size=18432,
-                       rms_norm_eps=1e-6, rope_theta=50000.0, max_position_embeddings=262144, vocab_size=163840,
-                       architectures=["DeepseekV3ForCausalLM"], bos_token_id=163584, eos_token_id=163585)
+                       rms_norm_eps=1e-5, rope_theta=50000.0, max_position_embeddings=262144, vocab_size=163840,
+                       rope_scaling=dict(mini_kimi.YARN), architectures=["DeepseekV3ForCausalLM"],
+                       bos_token_id=163584, eos_token_id=163585)
+KIMI_ROPE = {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 64.0, "original_max_position_embeddings": 4096.0,
+             "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
 
 
 @pytest.mark.parametrize("config", ["configs/kimi-k2.5.yaml", "configs/kimi-k2.5-dflash.yaml"])
@@ -123,4 +129,49 @@ def test_the_shipped_kimi_configs_export_what_they_train(tmp_path, config):
         assert served["aux_layer_ids"] == [2, 13, 25, 36, 48, 59]
     else:
         assert served["norm_before_residual"] is False and served["aux_layer_ids"] == [2, 30, 58]
-    assert np.isclose(served["rope"]["rope_theta"], 50000.0)
+    assert served["rope"] == KIMI_ROPE and served["max_position_embeddings"] == 262144  # Kimi's YaRN, all 256K
+
+
+# far beyond any sample stage 4 trains on (2,048 in the Kimi configs), up to the last position Kimi serves
+POSITIONS = [0, 1, 767, 2047, 4095, 4096, 8191, 32768, 131071, 262143]
+
+
+@pytest.mark.parametrize("method, fmt", [("eagle3", "eagle"), ("eagle3", "speculators"), ("dflash", "speculators")])
+@pytest.mark.parametrize("rope", ["plain", "yarn"])
+def test_training_rotates_as_vllm_does_at_every_position(tmp_path, verifier_dir, method, fmt, rope):
+    """The draft's rotary embedding in training (transformers' initialisation for the verifier's rope_parameters)
+    equals the one vLLM builds from the exported config.json (get_rope, as its Llama / DFlash layers call it), at
+    every position the verifier serves (to 262,143 for Kimi): q and k rotated by both agree to fp32 rounding. The
+    verifiers' own transformers configs: SmolLM2's (plain RoPE) and the Kimi miniature's (Kimi-K2.5's YaRN)."""
+    from transformers import AutoConfig, DeepseekV3Config
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding import get_rope
+    from vllm.transformers_utils.config import get_config
+    from common.drafts.layers import rope as rotate
+    verifier = AutoConfig.from_pretrained(verifier_dir) if rope == "plain" else \
+        DeepseekV3Config(**mini_kimi.text_config(VOCAB, 2))
+    cfg = parse_config(4, "", ["--draft-method", method, "--draft-num-heads", "4", "--draft-num-kv-heads", "2",
+                               "--draft-head-dim", "24", "--draft-intermediate-size", "96", "--draft-layers", "2"])
+    mask = SimpleNamespace(mask_token_id=VOCAB - 1, mask_token="<m>")
+    g = geometry(cfg, verifier, DRAFT_VOCAB, 3, tokenizer=lambda: mask)
+    g = dataclasses.replace(g, hidden_size=64, verifier_vocab_size=VOCAB)  # the export's widths, small
+    model = (Eagle3Draft if method == "eagle3" else DFlashDraft)(g)
+    exported(tmp_path, model, fmt)
+    hf = get_config(str(tmp_path), trust_remote_code=False)
+    ours = model.layers[0].self_attn.rotary if method == "eagle3" else model.rotary
+    with set_current_vllm_config(VllmConfig()):  # vLLM's custom ops ask for one
+        theirs = get_rope(hf.head_dim, max_position=hf.max_position_embeddings, rope_parameters=hf.rope_parameters,
+                          dtype=torch.float32)
+    assert type(theirs).__name__ == {"plain": "RotaryEmbedding", "yarn": "YaRNScalingRotaryEmbedding"}[rope]
+    pos = torch.tensor([p for p in POSITIONS if p < g.max_position_embeddings])  # SmolLM2 serves 8,192
+    torch.manual_seed(0)
+    q, k = torch.randn(len(pos), 4 * 24), torch.randn(len(pos), 2 * 24)
+    vq, vk = theirs.forward_native(pos, q.clone(), k.clone())
+    tq = rotate(q.view(-1, 4, 24).transpose(0, 1), pos, ours).transpose(0, 1).reshape(len(pos), -1)
+    tk = rotate(k.view(-1, 2, 24).transpose(0, 1), pos, ours).transpose(0, 1).reshape(len(pos), -1)
+    print(f"{rope} {method} {fmt}: largest difference {(tq - vq).abs().max():.2e} (q), {(tk - vk).abs().max():.2e} (k)")
+    assert torch.allclose(tq, vq, atol=1e-5) and torch.allclose(tk, vk, atol=1e-5), (tq - vq).abs().max()
+    if rope == "yarn":  # not plain RoPE under another name: at 262,143 the plain angles are elsewhere
+        plain = Rotary(dataclasses.replace(g, rope_parameters=None))
+        assert not torch.allclose(rotate(k.view(-1, 2, 24).transpose(0, 1), pos, plain).transpose(0, 1).reshape(
+            len(pos), -1)[-1], vk[-1], atol=1e-2)

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import OVERFIT, ROOT, run_script
+from conftest import OVERFIT, ROOT, run_script, usage_error
 
 
 def test_overfits_a_few_samples(trained):
@@ -91,7 +91,7 @@ def test_speculators_loads_checkpoint_and_computes_same_outputs(trained):
     batch = float_batch(trained / "hidden_states")
     # ours, from the same exported weights
     man = json.loads((trained / "train" / "manifest.json").read_text())
-    ours = build_model(DraftGeometry(**man["params"]["geometry"]), ref.config.speculators_config.verifier.name_or_path,
+    ours = build_model(DraftGeometry.from_dict(man["params"]["geometry"]), ref.config.speculators_config.verifier.name_or_path,
                        target_ids(trained))
     exported = load_file(str(trained / "final_draft" / "model.safetensors"))
     ours.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in exported.items()}, strict=False)
@@ -167,7 +167,8 @@ def test_printed_serve_command_starts_a_server_that_serves_the_draft(trained, tm
     assert shlex.split(command)[:3] == ["python", "-m", "vllm.entrypoints.openai.api_server"]
     words = shlex.split(command)
     assert words[words.index("--max-model-len") + 1] == "192"  # the context the draft trained on
-    assert "context: the draft trained on samples of up to 192 tokens (--max-seq-len) with plain RoPE" in log
+    assert "context: the draft trained on samples of up to 192 tokens (--max-seq-len) with the verifier's rotary " \
+           "embedding (plain RoPE, theta 100000, exported with it for 8192 positions)" in log
     # run as printed, in a shell, this venv first on PATH, on a free port instead of 8000 (another server may hold it)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -275,3 +276,16 @@ def test_draft_init_verifier_starts_the_layers_as_the_verifiers_last(verifier_di
     with pytest.raises(UsageError, match="cannot start as the verifier's"):  # another MLP width
         verifier_init_plan(geometry(SimpleNamespace(**{**vars(cfg), "draft_intermediate_size": 256}), text_cfg,
                                     1024, 3), verifier_dir, text_cfg)
+
+
+@pytest.mark.parametrize("script, seq, fix", [("01_prepare_dataset.py", 8192, 8191), ("02_extract_hidden_states.py", 8192, 8191),
+                                              ("04_train.py", 8193, 8192), ("05_evaluate.py", 9000, 8192)])
+def test_a_context_beyond_the_verifiers_is_refused_before_any_load(trained, script, seq, fix):
+    """SmolLM2 has 8,192 positions: a longer --max-seq-len would start no engine (vLLM refuses it) or train a draft
+    at positions its verifier never serves. Stages 1-2 keep one position for the token stage 2's engine generates."""
+    run = ["--draft-vocab-size", 1024] if script == "04_train.py" else []  # the run's own vocab, checked first
+    proc = run_script(script, "--work-dir", trained, "--max-seq-len", seq, "--dry-run", *run)
+    usage_error(proc)
+    assert f"error: --max-seq-len {seq}: the verifier embedded:smollm2-135m-instruct has 8192 positions " \
+           f"(max_position_embeddings in its config)" in proc.stderr
+    assert proc.stderr.strip().endswith(f"use --max-seq-len {fix} or less"), proc.stderr

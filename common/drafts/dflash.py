@@ -25,7 +25,7 @@ from torch import nn
 from common.drafts import layers
 from common.drafts.acceptance import block_metrics
 from common.drafts.block_plan import block_plan
-from common.drafts.layers import MLP, Geometry, RMSNorm, rope_cos_sin
+from common.drafts.layers import MLP, Geometry, RMSNorm, Rotary
 from common.drafts.losses import LOSS_EPS, row_loss, slot_weights
 from common.drafts.interface import DraftMethod
 from common.errors import UsageError
@@ -110,6 +110,7 @@ class DFlashDraft(nn.Module):
         self.verifier_norm = RMSNorm(g.hidden_size, g.rms_norm_eps)
         self.register_buffer("d2t", torch.zeros(g.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(g.verifier_vocab_size, dtype=torch.bool))
+        self.rotary = Rotary(g)
         for m in (self.embed_tokens, self.lm_head, self.verifier_lm_head, self.verifier_norm):
             m.requires_grad_(False)
         for p in self.parameters():
@@ -152,8 +153,7 @@ class DFlashDraft(nn.Module):
         ctx = self.hidden_norm(self.fc(aux))
         offsets = torch.arange(bs, device=ids.device)
         block_pos = (pos[anchors][:, None] + offsets[None]).reshape(-1)
-        rope_ctx = rope_cos_sin(pos, g.head_dim, g.rope_theta, x.dtype)
-        rope_block = rope_cos_sin(block_pos, g.head_dim, g.rope_theta, x.dtype)
+        rope_ctx, rope_block = self.rotary.cos_sin(pos, x.dtype), self.rotary.cos_sin(block_pos, x.dtype)
         plan = block_plan(doc, anchors, bs, g.causal)
         for layer in self.layers:
             x = layer(x, ctx, rope_ctx, rope_block, plan)
@@ -252,7 +252,7 @@ def dflash_config(g, aux_ids, verifier_name, verifier_config):
         vocab_size=g.verifier_vocab_size, hidden_size=g.hidden_size, intermediate_size=g.intermediate_size,
         num_hidden_layers=g.num_layers, num_attention_heads=g.num_heads, num_key_value_heads=g.num_kv_heads,
         head_dim=g.head_dim, hidden_act=g.hidden_act, max_position_embeddings=g.max_position_embeddings,
-        rms_norm_eps=g.rms_norm_eps, rope_parameters={"rope_type": "default", "rope_theta": g.rope_theta},
+        rms_norm_eps=g.rms_norm_eps, rope_parameters=Rotary(g).params,
         tie_word_embeddings=False, attention_bias=False)
     archs = list(getattr(verifier_config, "architectures", None) or [])
     conf = DFlashSpeculatorConfig(

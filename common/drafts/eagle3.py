@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from common.drafts import layers, losses
-from common.drafts.layers import MLP, Geometry, Linear, RMSNorm, rope
+from common.drafts.layers import MLP, Geometry, Linear, RMSNorm, Rotary, rope
 from common.drafts.interface import DraftMethod
 from common.errors import UsageError
 from common.drafts.ttt_plan import OnHost, index_plan, make_plan, move
@@ -37,7 +37,6 @@ class DraftGeometry(Geometry):
     norm_before_fc: bool = False
     fc_norm: bool = False
     norm_output: bool = False
-    rope_scaling: dict = None
     num_layers: int = 1
 
 
@@ -49,6 +48,7 @@ class Attention(nn.Module):
         self.k_proj = Linear(width, g.num_kv_heads * g.head_dim, bias=False)
         self.v_proj = Linear(width, g.num_kv_heads * g.head_dim, bias=False)
         self.o_proj = Linear(g.num_heads * g.head_dim, g.hidden_size, bias=False)
+        self.rotary = Rotary(g)
 
     def forward(self, x, xq, pos, qpos, plan, step):
         """x [N, 2H] the step's rows (keys/values); xq [Nq, 2H] its query rows; pos/qpos their positions."""
@@ -56,7 +56,7 @@ class Attention(nn.Module):
         q = self.q_proj(xq).view(-1, g.num_heads, g.head_dim).transpose(0, 1)
         k = self.k_proj(x).view(-1, g.num_kv_heads, g.head_dim).transpose(0, 1)
         v = self.v_proj(x).view(-1, g.num_kv_heads, g.head_dim).transpose(0, 1)
-        q, k = rope(q, qpos, g.rope_theta), rope(k, pos, g.rope_theta)
+        q, k = rope(q, qpos, self.rotary), rope(k, pos, self.rotary)
         plan.cache.append((k, v))
         out = plan.attend(q, step)
         return self.o_proj(out.transpose(0, 1).reshape(q.shape[1], -1))
@@ -241,7 +241,7 @@ def llama_layer_config(g, aux_ids, verifier_config):
         vocab_size=g.verifier_vocab_size, hidden_size=g.hidden_size, intermediate_size=g.intermediate_size,
         num_hidden_layers=g.num_layers, num_attention_heads=g.num_heads, num_key_value_heads=g.num_kv_heads,
         head_dim=g.head_dim, hidden_act=g.hidden_act, max_position_embeddings=g.max_position_embeddings,
-        rms_norm_eps=g.rms_norm_eps, rope_theta=g.rope_theta, tie_word_embeddings=False,
+        rms_norm_eps=g.rms_norm_eps, rope_parameters=Rotary(g).params, tie_word_embeddings=False,
         bos_token_id=getattr(verifier_config, "bos_token_id", None),
         eos_token_id=getattr(verifier_config, "eos_token_id", None))
 

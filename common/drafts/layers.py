@@ -1,7 +1,7 @@
 """Layers both draft methods share: RMSNorm, rotate-half RoPE, the SwiGLU MLP, a Linear whose CPU matmuls see
 rounded row counts, and the choice of attention backend (compiled flex attention on CUDA)."""
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -22,9 +22,18 @@ class Geometry:
     verifier_vocab_size: int
     draft_vocab_size: int
     hidden_act: str = "silu"
+    # the verifier's rotary embedding (rope_type, rope_theta and its scaling: YaRN for Kimi-K2.5), as vLLM builds the
+    # draft's from the exported config; None: plain RoPE at rope_theta (manifests written before it existed)
+    rope_parameters: dict = None
 
     def to_dict(self):
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d):
+        """From a manifest's geometry, ignoring fields a later version dropped."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
 
 
 class RMSNorm(nn.Module):
@@ -42,12 +51,70 @@ class RMSNorm(nn.Module):
         return (self.weight * x.to(dtype)).to(dtype)
 
 
-def rope_cos_sin(pos, d, theta, dtype):
-    """cos/sin tables [T, D] of rotate-half RoPE, as in transformers' Llama."""
-    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=pos.device, dtype=torch.float32) / d))
-    ang = pos.float()[:, None] * inv[None]
-    emb = torch.cat([ang, ang], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+# rope_parameters' keys that decide the rotary angles (transformers' and vLLM's names); others are dropped
+ROPE_KEYS = ("rope_type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+             "mscale", "mscale_all_dim", "attention_factor", "truncate", "low_freq_factor", "high_freq_factor")
+# scalings whose angles depend on the position alone: a draft can train with them and vLLM computes the same
+STATIC_ROPE = ("default", "linear", "yarn", "llama3")
+
+
+def rope_parameters(config):
+    """The rotary embedding of a (verifier's or draft's) config as one dict: transformers 5's `rope_parameters`, or
+    transformers 4's `rope_theta` + `rope_scaling`, with `type` read as `rope_type`."""
+    p = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    p["rope_type"] = p.get("rope_type") or p.get("type") or "default"
+    p.setdefault("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
+    return normal_rope(p)
+
+
+def normal_rope(p):
+    """Only the keys that decide the angles, numbers as floats (JSON and vLLM may turn 32 into 32.0)."""
+    return {k: (float(p[k]) if isinstance(p[k], (int, float)) and not isinstance(p[k], bool) else p[k])
+            for k in ROPE_KEYS if p.get(k) is not None}
+
+
+def rope_note(g):
+    """'yarn, theta 50000, factor 64 over 4096 positions' / 'plain RoPE, theta 100000': for the logs."""
+    p = Rotary(g).params
+    if p["rope_type"] == "default":
+        return f"plain RoPE, theta {p['rope_theta']:g}"
+    over = f" over {p['original_max_position_embeddings']:g} positions" if "original_max_position_embeddings" in p else ""
+    return f"{p['rope_type']}, theta {p['rope_theta']:g}, factor {p.get('factor', 1):g}{over}"
+
+
+class Rotary:
+    """The draft's rotary embedding, the one vLLM builds from the exported config: plain, or the verifier's scaling
+    from transformers' own initialisation (YaRN, llama3, linear), not a second copy of it. The frequencies are made
+    on first use (a model built on the meta device must not make them there), then kept per device."""
+
+    def __init__(self, g):
+        self.params = normal_rope(g.rope_parameters or {"rope_type": "default", "rope_theta": g.rope_theta})
+        self.g, self.scale, self._inv = g, 1.0, {}
+
+    def _frequencies(self):
+        p, g = self.params, self.g
+        if p["rope_type"] == "default":
+            d = g.head_dim
+            return 1.0 / (p["rope_theta"] ** (torch.arange(0, d, 2, device="cpu", dtype=torch.float32) / d)), 1.0
+        from transformers import LlamaConfig
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+        conf = LlamaConfig(hidden_size=g.num_heads * g.head_dim, num_attention_heads=g.num_heads, head_dim=g.head_dim,
+                           max_position_embeddings=g.max_position_embeddings, rope_parameters=dict(p))
+        with torch.device("cpu"):
+            inv, scale = ROPE_INIT_FUNCTIONS[p["rope_type"]](conf, "cpu")
+        return inv.float(), float(scale)
+
+    def cos_sin(self, pos, dtype):
+        """cos/sin tables [T, D] of rotate-half RoPE at positions pos [T] (transformers' Llama; scaled as YaRN asks)."""
+        inv = self._inv.get(pos.device)
+        if inv is None:
+            cpu, self.scale = self._frequencies()
+            inv = self._inv[pos.device] = cpu.to(pos.device)
+        ang = pos.float()[:, None] * inv[None]
+        emb = torch.cat([ang, ang], dim=-1)
+        if self.scale == 1.0:
+            return emb.cos().to(dtype), emb.sin().to(dtype)
+        return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
 
 
 def _apply_rope(x, cos, sin):
@@ -66,9 +133,9 @@ def use_compiled_rope(enabled):
     apply_rope = torch.compile(_apply_rope, dynamic=True) if enabled else _apply_rope
 
 
-def rope(x, pos, theta):
-    """x [.., T, D], pos [T]."""
-    return apply_rope(x, *rope_cos_sin(pos, x.shape[-1], theta, x.dtype))
+def rope(x, pos, rotary):
+    """x [.., T, D], pos [T], rotary: a Rotary."""
+    return apply_rope(x, *rotary.cos_sin(pos, x.dtype))
 
 
 ROW_BUCKET = 64
