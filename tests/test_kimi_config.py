@@ -133,16 +133,17 @@ def test_the_shipped_kimi_dflash_config_trains_and_serves_a_block_draft(dflash_r
     assert len(row["per_position_acceptance"]) == 7
 
 
-# accepted tokens of the drafts below on the rehearsal's 2 MT-bench prompts, measured 2026-12-03 (AMD EPYC, AVX2):
-# EAGLE-3 26 of 36 drafts, DFlash 26 of 36 blocks (random-weight verifier: it repeats itself, which a draft learns);
+# accepted tokens of the drafts below (60 steps) on the rehearsal's 2 MT-bench prompts, measured 2026-12-05 with the
+# miniature's YaRN (Intel Xeon, AMX): EAGLE-3 26 of 37 drafts, DFlash 16 of 47 blocks (random-weight verifier: it
+# repeats itself, which a draft learns; with YaRN its answers took 60 steps to reach what plain RoPE's did in 24);
 # the floors are half of that
-FLOORS = {"eagle3": 13, "dflash": 13}
+FLOORS = {"eagle3": 13, "dflash": 8}
 
 
 @pytest.mark.parametrize("method", ["eagle3", "dflash"])
 def test_a_draft_trained_on_the_rehearsals_data_is_accepted(hub, hub_run, dflash_run, method, tmp_path):
     """The rehearsals' served figures would pass at zero accepted tokens (their drafts train 2 steps). Their data,
-    a draft trained 24 steps, stage 5: accepted tokens above a floor measured from that draft, and every emitted
+    a draft trained 60 steps, stage 5: accepted tokens above a floor measured from that draft, and every emitted
     token the verifier's greedy choice, near-ties aside (greedy_gaps: a wrong token sits ~30 logits below)."""
     env, snap = hub
     run, config, sizes, k = (hub_run, CONFIG, SIZES, 3) if method == "eagle3" else \
