@@ -62,7 +62,7 @@ def test_weighted_mix_takes_shares_and_records_each_source(tmp_path, tokenizer):
 
 def test_multiturn_source_keeps_later_turns(tmp_path, tokenizer):
     work = tmp_path / "w"
-    proc = prepare(work, "sharegpt-multiturn", "--num-samples", 6, "--max-turns", 1, "--max-seq-len", 8192)
+    proc = prepare(work, "sharegpt-multiturn", "--num-samples", 6, "--max-turns", 1, "--max-seq-len", 8191)
     assert proc.returncode == 0, proc.output[-3000:]
     rows = [json.loads(line) for line in (work / "prepared" / "tokenized_data.jsonl").read_text().splitlines()]
     turns = [tokenizer.decode(r["input_ids"]).count("<|im_start|>user") for r in rows]
