@@ -14,12 +14,12 @@ SHAPES = ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_
 def trained_view(train_params):
     """The fields as stage 4 trained them, from its manifest's params (geometry, layer ids, method)."""
     from common.drafts import method_of
-    from common.drafts.layers import normal_rope
+    from common.drafts.layers import trained_rope
     g = train_params["geometry"]
     m = method_of(train_params)
     view = {k: g[k] for k in SHAPES + ("max_position_embeddings",)}
     view.update(method=m.name, aux_layer_ids=list(train_params["layer_ids"][:-1]),
-                rope=normal_rope(g.get("rope_parameters") or {"rope_type": "default", "rope_theta": g["rope_theta"]}))
+                rope=trained_rope(g.get("rope_parameters"), g["rope_theta"]))
     view.update(m.trained_fields(g, train_params))
     return view
 

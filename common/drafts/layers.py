@@ -73,6 +73,11 @@ def normal_rope(p):
             for k in ROPE_KEYS if p.get(k) is not None}
 
 
+def trained_rope(rope_parameters, rope_theta):
+    """A geometry's rotary embedding: its rope_parameters, or plain RoPE at rope_theta (manifests before them)."""
+    return normal_rope(rope_parameters or {"rope_type": "default", "rope_theta": rope_theta})
+
+
 def rope_note(g):
     """'yarn, theta 50000, factor 64 over 4096 positions' / 'plain RoPE, theta 100000': for the logs."""
     p = Rotary(g).params
@@ -88,7 +93,7 @@ class Rotary:
     on first use (a model built on the meta device must not make them there), then kept per device."""
 
     def __init__(self, g):
-        self.params = normal_rope(g.rope_parameters or {"rope_type": "default", "rope_theta": g.rope_theta})
+        self.params = trained_rope(g.rope_parameters, g.rope_theta)
         self.g, self.scale, self._inv = g, 1.0, {}
 
     def _frequencies(self):
