@@ -16,10 +16,11 @@ from pathlib import Path
 from common.errors import UsageError, run_main
 from common.evaluate import (acceptance_breakdown, acceptance_row, baseline_key, compare_with_training, derived_rows,
                              eval_prompts, load_baseline, prompt_categories, run_engine, save_baseline, save_outputs,
-                             save_results, single_note, vocab_coverage)
+                             save_results, serve_context, single_note, tokenize_prompts,
+                             vocab_coverage)
 from common.parity import parity_samples, served_vs_predicted, verdict
 from common.drafts import method_of_export
-from common.export import check_exported_draft
+from common.export import check_exported_draft, serve_command
 from common.io import read_manifest, write_manifest
 from common.models import load_tokenizer, open_verifier
 from common.served import check_served_as_trained
@@ -31,6 +32,8 @@ def main():
     work = Path(cfg.work_dir)
     train_man = read_manifest(work / "train", "train", "04_train.py")
     draft = work / "final_draft"
+    prep = read_manifest(work / "prepared", "prepare", "01_prepare_dataset.py")
+    trained_len = prep["counts"].get("max_len") or prep["params"]["max_seq_len"]  # its longest training sample
     conf = check_exported_draft(draft, train_man.get("exported_shapes"))
     method = method_of_export(conf)
     if method.name != cfg.draft_method:  # vLLM would load it with the wrong proposer, after the verifier's model load
@@ -38,14 +41,16 @@ def main():
                          f"{cfg.draft_method}; pass --draft-method {method.name} (the config may set it)")
     if os.environ.get("EAGLE3_SERVE_AS_EXPORTED") != "1":  # the parity gate's own test serves a broken export on purpose
         check_served_as_trained(draft, train_man["params"])  # vLLM's readers against stage 4's geometry, in seconds
-    items = eval_prompts(cfg.eval_dataset, cfg.eval_limit, work)
     model_dir, text_cfg = open_verifier(cfg, log)
+    tok = load_tokenizer(model_dir, trust_remote_code=cfg.trust_remote_code)
+    items = eval_prompts(cfg.eval_dataset, cfg.eval_limit, work, tok, cfg)
+    prompts, ids_kept, skipped = tokenize_prompts(cfg.eval_dataset, items, tok, cfg)  # too long: refused before loads
     from common.engine import check_parallel, cpu_mla_fallback
     check_parallel(cfg, text_cfg)
     cpu_mla_fallback(text_cfg, log, cfg.eval_dtype or cfg.dtype)
     ks = method.served_k(conf, cfg, log)  # a block draft: the block it was trained on
     log.info("plan: %d prompts from %s, %d new tokens each, temperature %g; engines: baseline + %s with %s%s",
-             len(items), cfg.eval_dataset, cfg.max_new_tokens, cfg.temperature,
+             len(prompts), cfg.eval_dataset, cfg.max_new_tokens, cfg.temperature,
              ", ".join(f"k={k}" for k in (ks if cfg.exact_k_sweep else ks[-1:])), draft,
              "" if cfg.exact_k_sweep or len(ks) == 1 else f" (k={', '.join(map(str, ks[:-1]))} derived from k={ks[-1]})")
     if cfg.latency_prompts:
@@ -58,24 +63,16 @@ def main():
     if cfg.dry_run:
         log.info("dry run: nothing written")
         return 0
-    out = ensure_writable(work / "eval")
-    tok = load_tokenizer(model_dir, trust_remote_code=cfg.trust_remote_code)
-    room = cfg.max_seq_len - cfg.max_new_tokens
-    prompts, ids_kept, skipped = [], [], 0
-    for ref, msgs in items:
-        ids = msgs if isinstance(msgs[0], int) else \
-            tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
-        if len(ids) > room:
-            skipped += 1
-            continue
-        prompts.append({"prompt_token_ids": list(ids)})
-        ids_kept.append(ref)
-    if not prompts:
-        raise UsageError(f"every prompt is longer than --max-seq-len - --max-new-tokens = {room} tokens")
     if skipped:
-        log.info("skipped %d prompts longer than %d tokens (--max-seq-len %d - --max-new-tokens %d; raise "
-                 "--max-seq-len for long prompts, up to the verifier's context)", skipped, room, cfg.max_seq_len,
+        log.info("plan: skipped %d of this run's samples longer than %d tokens (--max-seq-len %d - --max-new-tokens "
+                 "%d: no room for an answer)", skipped, cfg.max_seq_len - cfg.max_new_tokens, cfg.max_seq_len,
                  cfg.max_new_tokens)
+    longest = max(len(p["prompt_token_ids"]) for p in prompts)
+    log.info("plan: prompts of %d to %d tokens (median %d), contexts up to %d tokens with the answer (--max-seq-len %d)",
+             min(len(p["prompt_token_ids"]) for p in prompts), longest,
+             sorted(len(p["prompt_token_ids"]) for p in prompts)[len(prompts) // 2], longest + cfg.max_new_tokens,
+             cfg.max_seq_len)
+    out = ensure_writable(work / "eval")
     t0 = time.time()
     key = baseline_key(model_dir, cfg, prompts)
     reused = load_baseline(out, key)
@@ -93,7 +90,7 @@ def main():
         log.info("the draft vocab holds %.2f%% of the verifier's output tokens here (a ceiling on acceptance)",
                  100 * coverage)
     rows, outputs, steps_by_k = [], {}, {}
-    group_key, categories = prompt_categories(cfg.eval_dataset, work)
+    group_key, categories = prompt_categories(cfg.eval_dataset, work, ids_kept)
     engines = ks if cfg.exact_k_sweep else ks[-1:]  # each engine is a model load (22 min for Kimi-K2.5)
     for k in engines:
         spec = {"method": method.name, "model": str(draft.resolve()), "num_speculative_tokens": k}
@@ -131,7 +128,14 @@ def main():
         rows.sort(key=lambda r: r["num_speculative_tokens"])
     if cfg.eval_dataset == "validation" and train_man.get("best_validation"):
         compare_with_training(rows, train_man["best_validation"], log)
+    longest = max(len(p["prompt_token_ids"]) + len(t) for p, t in zip(prompts, base_tokens))
+    cap, why = serve_context((rows[-1]["breakdown"] or {}).get("by_context"), longest, trained_len,
+                             getattr(text_cfg, "max_position_embeddings", None) or cfg.max_seq_len)
+    log.info("context: %s", why)
+    log.info("serve it (OpenAI-compatible server on port 8000): %s",
+             serve_command(model_dir, draft, cfg, k=ks[-1], max_model_len=cap))
     meta = {"eval_dataset": cfg.eval_dataset, "prompts": len(prompts), "skipped_long_prompts": skipped,
+            "serve": {"max_model_len": cap, "longest_measured_context": longest, "why": why},
             "max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "draft": str(draft),
             "draft_vocab_coverage": coverage}
     save_results(out, rows, meta)

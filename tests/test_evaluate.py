@@ -1,4 +1,9 @@
 """Stage 5's breakdown of vLLM's per-request verify steps by prompt category and answer position."""
+from types import SimpleNamespace
+
+import pytest
+
+from common.errors import UsageError
 from common.evaluate import acceptance_breakdown, acceptance_row, markdown_table, prompt_categories
 
 
@@ -108,17 +113,46 @@ def test_a_saved_baseline_is_reused_only_for_the_same_verifier_prompts_and_setti
     assert load_baseline(tmp_path, key) is None  # a damaged file decodes again
 
 
-def test_long_prompts_put_each_question_after_four_thousand_tokens_of_conversation(tokenizer):
-    """mtbench-long: every MT-bench first turn alone (short) and after the same ~4.5K tokens of earlier ShareGPT
-    conversation (long), interleaved, so that --eval-limit keeps pairs; room for 256 new tokens in SmolLM2's 8K."""
-    from common.evaluate import eval_prompts
-    items = eval_prompts("mtbench-long", 0)
-    cats = prompt_categories("mtbench-long")[1]
-    assert len(items) == 160 and [cats[ref] for ref, _ in items[:4]] == ["short", "long", "short", "long"]
-    short, long = items[0][1], items[1][1]
-    assert long[-1] == short[-1] and [m["role"] for m in long[:2]] == ["user", "assistant"]
-    n = len(tokenizer.apply_chat_template(long, add_generation_prompt=True, tokenize=True, return_dict=False))
-    assert 4096 <= n <= 8192 - 256, n
+def test_long_prompts_put_each_question_in_every_context_bucket_the_engine_reaches(tokenizer):
+    """mtbench-long at SmolLM2's 8K: every MT-bench first turn alone (short), then after the same ShareGPT
+    conversation cut to fill 1K-4K and 4K-8K with its answer (prompt + 256 new tokens stay inside the bucket),
+    grouped per question so that --eval-limit keeps groups; at 5,120 the second context stops short of 5,120."""
+    from common.evaluate import chat_ids, eval_prompts
+    for seq, buckets in ((8192, {"1K-4K": (1024, 4096), "4K-8K": (4096, 8192)}),
+                         (5120, {"1K-4K": (1024, 4096), "4K-8K": (4096, 5120)})):
+        items = eval_prompts("mtbench-long", 0, tok=tokenizer, cfg=SimpleNamespace(max_seq_len=seq, max_new_tokens=256))
+        cats = prompt_categories("mtbench-long", refs=[ref for ref, _ in items])[1]
+        assert len(items) == 240 and [cats[ref] for ref, _ in items[:4]] == ["short", "1K-4K", "4K-8K", "short"]
+        assert items[1][0] == f"{items[0][0]}@1K-4K"
+        for ref, msgs in items:
+            if cats[ref] == "short":
+                question = msgs
+                continue
+            assert msgs[-1] == question[-1] and [m["role"] for m in msgs[:2]] == ["user", "assistant"]
+            lo, hi = buckets[cats[ref]]
+            n = len(chat_ids(tokenizer, msgs))
+            assert lo <= n and n + 256 < hi, (ref, n)
+        contexts = {cats[ref]: msgs[:-1] for ref, msgs in items[:3] if cats[ref] != "short"}
+        assert contexts["4K-8K"][:len(contexts["1K-4K"])] == contexts["1K-4K"]  # one conversation: prefix cached
+    with pytest.raises(UsageError, match="--max-seq-len 768 leaves no room for a question after 1,024 tokens"):
+        eval_prompts("mtbench-long", 0, tok=tokenizer, cfg=SimpleNamespace(max_seq_len=768, max_new_tokens=256))
+
+
+def test_the_serve_command_allows_what_was_measured():
+    """Stage 5's serve command: the verifier's own context where acceptance at the farthest context measured (past
+    the trained length) stays within 10% of 0-1K; otherwise the longest context measured; only the trained length
+    where no long context was measured."""
+    from common.evaluate import serve_context
+    table = lambda far: {"0-1K": {"acceptance_length": 2.0}, "1K-4K": {"acceptance_length": 1.9},  # noqa: E731
+                         "4K-8K": {"acceptance_length": far}}
+    cap, why = serve_context(table(1.81), 7950, 768, 8192)
+    assert cap == 8192 and "1.810 at 4K-8K against 2.000 at 0-1K (-9%), within 10%" in why
+    cap, why = serve_context(table(1.78), 7950, 768, 8192)
+    assert cap == 7950 and "(-11%): the serve command caps --max-model-len at 7,950" in why
+    assert serve_context(table(1.95), 700, 768, 8192)[0] == 768  # measured no further than it trained
+    cap, why = serve_context({"0-1K": {"acceptance_length": 2.0}}, 650, 768, 8192)
+    assert cap == 768 and "no longer context measured" in why
+    assert serve_context(None, 650, 768, 8192)[0] == 768  # an engine without per-request metrics
 
 
 def test_served_steps_are_compared_where_both_sequences_agree():

@@ -4,6 +4,7 @@ packing: test_train_plan.py; failures and resume: test_train_recovery.py; servin
 parity: test_parity.py."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -123,17 +124,33 @@ def test_evaluate_on_the_validation_samples_puts_vllm_beside_training(trained):
     assert "on the validation samples: vLLM acceptance length" in proc.output
 
 
-def test_long_prompts_are_measured_beside_short_ones(trained):
-    """--eval-dataset mtbench-long: a question alone and after ~4.7K tokens of earlier conversation (past the 192
-    tokens this draft trained on), acceptance by category short / long."""
-    args = ["--work-dir", trained, "--eval-dataset", "mtbench-long", "--eval-limit", 2, "--max-new-tokens", 16,
+def test_long_prompts_are_measured_beside_short_ones(trained, tmp_path):
+    """--eval-dataset mtbench-long: a question alone and after earlier conversation in the 1K-4K and 4K-8K buckets
+    (past the 192 tokens this draft trained on), acceptance by category and by context length; the serve command
+    then says how far acceptance was measured. A prompt that cannot fit --max-seq-len is refused before any load."""
+    args = ["--work-dir", trained, "--eval-dataset", "mtbench-long", "--eval-limit", 3, "--max-new-tokens", 16,
             "--dtype", "float32", "--latency-prompts", 0, "--parity-prompts", 0]
     proc = run_script("05_evaluate.py", *args, "--max-seq-len", 5120, check=True)
-    row = json.loads((trained / "eval" / "acceptance.json").read_text())["results"][0]
-    assert row["prompts"] == 2 and row["outputs_equal_baseline"] == 2
+    result = json.loads((trained / "eval" / "acceptance.json").read_text())
+    row = result["results"][0]
+    assert row["prompts"] == 3 and row["outputs_equal_baseline"] == 3
     table = row["breakdown"]["by_category"]
-    assert sorted(table) == ["long", "short"] and all(v["drafts"] > 0 for v in table.values()), table
-    assert "by prompt category" in (trained / "eval" / "acceptance.md").read_text() and "k=3 by category: long" in proc.output
+    assert sorted(table) == ["1K-4K", "4K-8K", "short"] and all(v["drafts"] > 0 for v in table.values()), table
+    assert list(row["breakdown"]["by_context"]) == ["0-1K", "1K-4K", "4K-8K"]
+    assert 4096 < result["serve"]["longest_measured_context"] <= 5120
+    cap = result["serve"]["max_model_len"]
+    assert cap in (8192, result["serve"]["longest_measured_context"]), result["serve"]
+    assert f"--max-model-len {cap}" in re.search(r"serve it \(OpenAI-compatible server on port 8000\): (.*)",
+                                                   proc.output).group(1)
+    assert "by prompt category" in (trained / "eval" / "acceptance.md").read_text() and "k=3 by category: 1K-4K" in proc.output
+    short = usage_error(run_script("05_evaluate.py", *args, "--max-seq-len", 768, "--dry-run"))
+    assert "--max-seq-len 768 leaves no room for a question after 1,024 tokens" in short
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hello"}) + "\n" + json.dumps({"prompt": "word " * 900}) + "\n")
+    line = usage_error(run_script("05_evaluate.py", *args[:3], prompts, "--max-seq-len", 768, "--max-new-tokens", 16,
+                                  "--dry-run"))
+    assert f"--eval-dataset {prompts}: prompt {prompts}:2 is " in line and "tokens, more than --max-seq-len 768 - " \
+        "--max-new-tokens 16 = 752, the longest the engine serves with its answer; raise --max-seq-len" in line
 
 
 def test_kimi_config_export_matches_aq_medai_reference():
@@ -157,7 +174,6 @@ def test_printed_serve_command_starts_a_server_that_serves_the_draft(trained, tm
     """The command stage 4 prints, run exactly as printed in a shell whose PATH starts with this venv (as a user's
     activated venv): an OpenAI-compatible server; a chat through the openai client; vLLM's spec-decode counters
     on /metrics."""
-    import re
     import shlex
     import socket
     import urllib.request
