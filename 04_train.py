@@ -157,8 +157,8 @@ def finish(cfg, log, model, g, layer_ids, model_dir, text_cfg, state, val_rows, 
                  " / ".join(f"{best_val[f'cond_acc_{i}']:.3f}" for i in range(k)), best_val["acceptance_length"])
     log.info("context: the draft trained on samples of up to %d tokens (--max-seq-len) with the verifier's rotary "
              "embedding (%s, exported with it for %d positions); the serve command below caps --max-model-len at the "
-             "trained length (raise it knowingly: 05_evaluate.py --eval-dataset mtbench-long measures acceptance by "
-             "context length)", cfg.max_seq_len, rope_note(g), g.max_position_embeddings)
+             "trained length (05_evaluate.py --eval-dataset mtbench-long --max-seq-len N measures acceptance by context "
+             "length and prints the command for what it measured)", cfg.max_seq_len, rope_note(g), g.max_position_embeddings)
     log.info("serve it (OpenAI-compatible server on port 8000): %s", serve_command(model_dir, final, cfg))
     return 0
 
