@@ -132,31 +132,31 @@ def test_the_gate_fails_a_draft_served_otherwise_than_trained(trained):
 
 
 # ---- served at long positions: the EAGLE-3.1 draft above (trained on samples of 224 tokens at most) served on
-# held-out prompts of ~2.5-3.5K tokens, so that every verify step runs the draft's rotary embedding and attention at
+# held-out prompts of ~2-3K tokens, so that every verify step runs the draft's rotary embedding and attention at
 # positions and distances ten times past what it trained on. Served as trained there too: the same gate.
 LONG = 4096
 
 
 @pytest.fixture(scope="module")
 def long_held_out(held_out, tmp_path_factory):
-    """Stages 1-2 on 6 single-turn prompts of ~2.5-3.5K tokens (earlier ShareGPT conversation pasted into one user
+    """Stages 1-2 on 8 single-turn prompts of ~2-3K tokens (earlier ShareGPT conversation pasted into one user
     turn), the verifier's own greedy answers regenerated, hidden states extracted at those positions."""
     from common.sources import long_context
     turns = long_context(chars=6 * 12000)
     chunks, text = [], ""
     for m in turns:
         text += f"{m['role']}: {m['content']}\n\n"
-        if len(text) > 10000:
-            chunks.append(text[:12000])
+        if len(text) > 7000:
+            chunks.append(text[:8000])  # ~2-3K tokens: room for the answer within LONG
             text = ""
     prompts = [{"conversations": [{"from": "human", "value": f"Here is a conversation.\n\n{c}\nWhat was it about?"},
-                                  {"from": "gpt", "value": "(regenerated)"}]} for c in chunks[:6]]
-    assert len(prompts) == 6
+                                  {"from": "gpt", "value": "(regenerated)"}]} for c in chunks[:8]]
+    assert len(prompts) == 8
     work = tmp_path_factory.mktemp("long") / "data"
     data = write_jsonl(work.parent / "long.jsonl", prompts)
     wide = [*WIDE, "--max-seq-len", LONG]  # the later flag wins
-    run_script("01_prepare_dataset.py", "--work-dir", work, *wide, "--dataset", data, "--num-samples", 6,
-               "--max-turns", 1, "--regenerate", "--regenerate-chunk", 6, check=True)
+    run_script("01_prepare_dataset.py", "--work-dir", work, *wide, "--dataset", data, "--num-samples", 8,
+               "--max-turns", 1, "--regenerate", "--regenerate-chunk", 8, check=True)
     run_script("02_extract_hidden_states.py", "--work-dir", work, *wide, "--max-tokens-per-batch", LONG,
                "--self-check-samples", 1, check=True)
     return work
@@ -164,7 +164,7 @@ def long_held_out(held_out, tmp_path_factory):
 
 def test_vllm_accepts_what_the_draft_predicts_at_long_positions(trained, long_held_out):
     """The generalising EAGLE-3.1 draft's train/, vocab/ and final_draft/ beside the long samples' prepared/ and
-    hidden_states/, every long sample held out: stage 5's served-vs-trained check at positions 2.5-3.5K."""
+    hidden_states/, every long sample held out: stage 5's served-vs-trained check at positions 2-3K."""
     import shutil
     short = trained("eagle3.1")
     work = long_held_out.with_name("served-long")
@@ -175,14 +175,14 @@ def test_vllm_accepts_what_the_draft_predicts_at_long_positions(trained, long_he
     man = json.loads((work / "train" / "manifest.json").read_text())
     (work / "train" / "manifest.json").write_text(json.dumps(dict(man, validation_samples=list(range(len(records))))))
     starts = [r["loss_mask"].index(1) for r in records]
-    assert len(records) == 6 and min(starts) > 2000 and max(len(r["input_ids"]) for r in records) <= LONG, starts
+    assert len(records) >= 6 and min(starts) > 1500 and max(len(r["input_ids"]) for r in records) <= LONG, starts
     proc = run_script("05_evaluate.py", "--work-dir", work, *GATE, *GENERALISING["eagle3.1"], "--max-seq-len", LONG,
                       check=True)
     c = json.loads((work / "eval" / "acceptance.json").read_text())["results"][0]["served_vs_predicted"]
     print(f"long positions ({min(starts)}-{max(starts)} prompt tokens): {c['agree']}/{c['steps']} verify steps as "
           f"predicted; served {c['served_per_position']} vs predicted {c['predicted_per_position']}; "
           f"disagreements {c['disagreements']}")
-    assert c["prompts"] == 6 and c["steps"] >= 60, c
+    assert c["prompts"] == len(records) and c["steps"] >= 60, c
     assert 1 + sum(c["served_per_position"]) > 1.05, c  # the draft accepts something out there
     assert c["agree"] >= 0.95 * c["steps"] and c["beyond_near_ties"] <= 0.01 * c["steps"], c["disagreements"]
     for s, p in zip(c["served_per_position"], c["predicted_per_position"]):
