@@ -112,6 +112,11 @@ OPTIONS = [
     Opt("max_steps", int, 0, "stop after this many optimizer steps (0 = no cap)", stages="4", range="[0, inf)"),
     Opt("ttt_steps", int, 3, "training-time-test unroll depth", stages="4", range="[1, inf)"),
     Opt("ttt_decay", float, 0.8, "loss weight decay per TTT position", stages="4", range="(0, 1]"),
+    Opt("answer_start_weight", float, 1.0, "eagle3: loss weight of each answer's first --answer-start-tokens "
+        "targets against 1 for the rest (the start of an answer is where drafts accept least)", stages="4",
+        range="[1, inf)"),
+    Opt("answer_start_tokens", int, 64, "eagle3: how many targets of each answer --answer-start-weight covers",
+        stages="4", range="[1, inf)"),
     Opt("lr", float, 1e-4, "peak learning rate", stages="4", range="(0, inf)"),
     Opt("warmup_steps", int, 0, "linear warmup steps", stages="4", range="[0, inf)"),
     Opt("weight_decay", float, 0.0, "AdamW weight decay", stages="4", range="[0, inf)"),

@@ -19,7 +19,8 @@ KEYS = {"01_prepare_dataset": ["dataset", "dataset_split", "num_samples", "seed"
                                "repetition_penalty", "drop_capped_answers", "drop_reasoning"],
         "02_extract_hidden_states": ["hs_dtype", "layer_ids"],
         "03_build_vocab_mapping": ["draft_vocab_size"],
-        "04_train": ["epochs", "max_steps", "ttt_steps", "ttt_decay", "lr", "warmup_steps", "weight_decay", "grad_clip",
+        "04_train": ["epochs", "max_steps", "ttt_steps", "ttt_decay", "answer_start_weight", "answer_start_tokens",
+                     "lr", "warmup_steps", "weight_decay", "grad_clip",
                      "max_tokens_per_step", "seed", "val_fraction", "export_format", "hidden_noise", "train_lm_head",
                      "draft_method", "block_size", "max_anchors", "loss", "block_weights", "optimizer"],
         "05_evaluate": ["eval_dataset", "eval_limit", "num_speculative_tokens", "max_new_tokens", "exact_k_sweep"]}

@@ -38,8 +38,18 @@ def speculators_loss(kind):
     return lambda logits, targets: fn(logits[None], targets[None])[0]
 
 
-def dense_reference(m, b, ttt, decay, loss="kl"):
+def start_weights_by_hand(mask, doc, weight, tokens):
+    """Each position's weight, counting its place in its answer (a run of masked positions in one document)."""
+    w, run = [], 0
+    for i in range(len(mask)):
+        run = run + 1 if mask[i] and i and mask[i - 1] and doc[i] == doc[i - 1] else int(bool(mask[i]))
+        w.append(weight if mask[i] and run <= tokens else 1.0)
+    return torch.tensor(w, dtype=torch.float64)
+
+
+def dense_reference(m, b, ttt, decay, loss="kl", start=None):
     g, T = m.g, b["ids"].shape[0]
+    weight = torch.ones(T, dtype=torch.float64) if start is None else start_weights_by_hand(b["loss_mask"], b["doc"], *start)
     doc, pos, mask0 = b["doc"], b["pos"], b["loss_mask"].bool()
     layer = m.layers[0]
     at = layer.self_attn
@@ -67,14 +77,18 @@ def dense_reference(m, b, ttt, decay, loss="kl"):
             per_row = (tgt.exp() * (tgt - logp)).sum(-1)
         else:  # speculators' definition (fp32 softmaxes)
             per_row = speculators_loss(loss)(logp.float(), tgt.float()).to(logp.dtype)
-        total = total + decay ** k * per_row[valid].sum() / valid.sum()
+        w = torch.cat([weight[k:], weight[:k]])[valid]  # the weight of row i's target, i + k
+        total = total + decay ** k * (per_row[valid] * w).sum() / w.sum()
     return total
 
 
-@pytest.mark.parametrize("bucket,loss", [(1, "kl"), (64, "kl"), (1, "ce"), (1, "lk"), (1, "nla"), (1, "tv")])
-def test_row_subsets_equal_dense_reference(bucket, loss, monkeypatch):
+@pytest.mark.parametrize("bucket,loss,start", [(1, "kl", None), (64, "kl", None), (1, "ce", None), (1, "lk", None),
+                                               (1, "nla", None), (1, "tv", None), (1, "kl", (3.0, 10)),
+                                               (1, "ce", (2.0, 40))])
+def test_row_subsets_equal_dense_reference(bucket, loss, start, monkeypatch):
     """bucket 64: the attention products' sizes rounded up as in bf16 (extra keys and queries), here in fp64.
-    Every --loss kind: the reference takes speculators' own loss functions."""
+    Every --loss kind: the reference takes speculators' own loss functions. start: --answer-start-weight / -tokens
+    (the tiny batch's answers are 53-87 targets, one split in two by a hole)."""
     monkeypatch.setattr(ttt_plan, "attn_bucket", lambda dtype: bucket)
     g = DraftGeometry(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
                       rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=512, verifier_vocab_size=500,
@@ -84,11 +98,13 @@ def test_row_subsets_equal_dense_reference(bucket, loss, monkeypatch):
     for p in (m.embed_tokens.weight, m.lm_head.weight, m.verifier_lm_head.weight):
         p.data.normal_()
     b = {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in tiny_batch().items()}
-    value, metrics = ttt_loss(m, b, 3, 0.8, loss)
+    value, metrics = ttt_loss(m, b, 3, 0.8, loss, start)
     value.backward()
     ours = [p.grad.clone() for p in m.trainable_parameters()]
     m.zero_grad()
-    ref = dense_reference(m, b, 3, 0.8, loss)
+    ref = dense_reference(m, b, 3, 0.8, loss, start)
+    if start:  # the weights move the loss: the same batch unweighted reads otherwise
+        assert abs(float(ref.detach()) - float(dense_reference(m, b, 3, 0.8, loss).detach())) > 1e-3
     ref.backward()
     torch.testing.assert_close(value.double(), ref, rtol=1e-5, atol=1e-6)  # ours takes log-softmax in fp32
     for a, r in zip(ours, (p.grad for p in m.trainable_parameters())):

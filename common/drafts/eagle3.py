@@ -128,9 +128,9 @@ class Eagle3Draft(nn.Module):
     def trainable_parameters(self):
         return [p for p in self.parameters() if p.requires_grad]
 
-    def forward(self, batch, ttt_steps, decay, loss="kl"):
+    def forward(self, batch, ttt_steps, decay, loss="kl", start=None):
         """Training: -> (loss, metrics); see ttt_loss. A forward() so DDP can wrap the model."""
-        return ttt_loss(self, batch, ttt_steps, decay, loss)
+        return ttt_loss(self, batch, ttt_steps, decay, loss, start)
 
     def run_steps(self, aux, embeds, pos, plan):
         """Teacher-forced TTT unroll over plan.rows; yields (step, output hidden [len(rows[k]), H]).
@@ -170,8 +170,9 @@ class Eagle3Draft(nn.Module):
         return [self.lm_head(self.norm(h)) for _, h in self.run_steps(aux, self.embed_tokens(ids), pos, plan)]
 
 
-def ttt_loss(model, batch, ttt_steps, decay, loss="kl"):
+def ttt_loss(model, batch, ttt_steps, decay, loss="kl", start=None):
     """--loss (kl: KL(verifier || draft)) on the draft vocab per TTT step, masked; -> (loss, metrics counts).
+    start: (weight, tokens): each answer's first `tokens` targets weigh `weight` in every step's mean (None: all 1).
 
     batch: aux [T, 3H], ids [T] (token i+1), embeds [T, H] (optional: their embeddings), target_hidden [T, H] (verifier h_N at i+1),
     loss_mask [T], doc [T] document index, pos [T], docs [(start, end)].
@@ -189,6 +190,7 @@ def ttt_loss(model, batch, ttt_steps, decay, loss="kl"):
     with torch.no_grad():
         target_ids, target_logp = losses.targets(model.verifier_lm_head(model.verifier_norm(batch["target_hidden"][ix["tpos"]])))
     plan = make_plan(ix, T, doc, batch["docs"], dev)
+    weights = None if start is None else losses.answer_start_weights(cpu["loss_mask"], cpu["doc"], *start)[ix["tpos"]].to(dev)
     chain_ok = torch.ones(T, dtype=torch.bool, device=dev)  # drafts 0..k-1 right from start i
     total, metrics = 0.0, {}
     for k, h in model.run_steps(aux, embeds, pos, plan):
@@ -198,7 +200,11 @@ def ttt_loss(model, batch, ttt_steps, decay, loss="kl"):
             per_row, top = losses.SoftKL.apply(logits, target_logp, tr)
         else:
             per_row, top = losses.row_loss(loss, logits, target_logp[tr]), logits.detach().max(-1).indices
-        step_loss = per_row.sum() / max(len(sel), 1)
+        if weights is None:
+            step_loss = per_row.sum() / max(len(sel), 1)
+        else:  # a weighted mean: the same scale as the plain one, more of it from the answers' first targets
+            w = weights[tr]
+            step_loss = (per_row * w).sum() / w.sum().clamp_min(1)
         total = total + (decay ** k) * step_loss
         with torch.no_grad():
             correct = torch.zeros(T, dtype=torch.bool, device=dev)
@@ -281,7 +287,7 @@ class Eagle3Method(DraftMethod):
     """EAGLE-3 / EAGLE-3.1: one decoder layer, TTT unroll of --ttt-steps; exported in speculators' or EAGLE's layout."""
     name = "eagle3"
     shift = 1
-    options = ("ttt_steps", "ttt_decay")
+    options = ("ttt_steps", "ttt_decay", "answer_start_weight", "answer_start_tokens")
     host_embedding = True
 
     def geometry(self, cfg, shared, draft_vocab, num_aux, tokenizer, log=None):
@@ -309,10 +315,13 @@ class Eagle3Method(DraftMethod):
 
     def note(self, g, cfg):
         return (f"EAGLE-3{f', {g.num_layers} layers' if g.num_layers > 1 else ''}, TTT {cfg.ttt_steps}"
-                + (f", loss {cfg.loss}" if cfg.loss not in ("", "kl") else ""))
+                + (f", loss {cfg.loss}" if cfg.loss not in ("", "kl") else "")
+                + (f", each answer's first {cfg.answer_start_tokens} targets x{cfg.answer_start_weight:g}"
+                   if cfg.answer_start_weight != 1 else ""))
 
     def loss_args(self, cfg):
-        return cfg.ttt_steps, cfg.ttt_decay, cfg.loss or "kl"
+        start = (cfg.answer_start_weight, cfg.answer_start_tokens) if cfg.answer_start_weight != 1 else None
+        return cfg.ttt_steps, cfg.ttt_decay, cfg.loss or "kl", start
 
     def positions(self, cfg):
         return cfg.ttt_steps

@@ -53,6 +53,16 @@ class SoftKL(torch.autograd.Function):
         return kl_grad(logits, target_logp, idx, grad), None, None
 
 
+def answer_start_weights(loss_mask, doc, weight, tokens):
+    """[T] loss weights: `weight` where a target is among the first `tokens` of its answer (a run of loss-masked
+    positions within one document), 1 elsewhere."""
+    masked, idx = loss_mask.bool(), torch.arange(loss_mask.shape[0])
+    last_unmasked = torch.where(masked, -1, idx).cummax(0).values
+    doc_start = torch.where(torch.cat([torch.ones(1, dtype=torch.bool), doc[1:] != doc[:-1]]), idx, 0).cummax(0).values
+    in_answer = idx - torch.maximum(last_unmasked + 1, doc_start)
+    return torch.where(masked & (in_answer < tokens), float(weight), 1.0)
+
+
 LOSS_EPS = 1e-5  # speculators' _LOSS_REDUCTION_EPS
 
 
