@@ -210,3 +210,32 @@ def test_compiled_loss_equals_eager():
     ref = (target_logp[idx].exp() * (target_logp[idx] - logits.float().log_softmax(-1))).sum(-1)
     torch.testing.assert_close(out[True][0], ref, rtol=1e-4, atol=1e-5)
     assert torch.equal(out[True][1], logits.float().argmax(-1))
+
+
+@pytest.mark.parametrize("rope_type", ["default", "yarn"])
+def test_training_at_a_position_offset_changes_only_rounding(rope_type):
+    """Why stage 4 has no position-offset option (docs/long-context.md): rotary attention sees only the distance
+    between query and key, so the same samples trained 250,000 positions further on give the same loss and
+    gradients, up to the fp32 rounding of the angles (~0.015 rad there). Plain RoPE and Kimi-K2.5's YaRN."""
+    from common.mini_kimi import YARN
+    params = {"rope_type": "default", "rope_theta": 1e4} if rope_type == "default" else \
+        {"rope_theta": 5e4, **{k: v for k, v in YARN.items() if k != "type"}, "rope_type": "yarn"}
+    g = DraftGeometry(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
+                      rms_norm_eps=1e-5, rope_theta=params["rope_theta"], max_position_embeddings=262144,
+                      verifier_vocab_size=500, draft_vocab_size=500, rope_parameters=params)
+    torch.manual_seed(0)
+    m = Eagle3Draft(g).double()
+    for p in (m.embed_tokens.weight, m.lm_head.weight, m.verifier_lm_head.weight):
+        p.data.normal_()
+    b = {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v for k, v in tiny_batch().items()}
+    runs = []
+    for pos in (b["pos"], b["pos"] + 250_000, b["pos"] * 3):  # the last: other distances, for scale
+        m.zero_grad()
+        loss, _ = ttt_loss(m, {**b, "pos": pos}, 3, 0.8)
+        loss.backward()
+        runs.append((float(loss.detach()), torch.cat([p.grad.flatten() for p in m.trainable_parameters()])))
+    (l0, g0), (l1, g1), (l3, g3) = runs
+    far, other = (g1 - g0).norm() / g0.norm(), (g3 - g0).norm() / g0.norm()
+    print(f"{rope_type}: loss {l0:.9f} at 0, {l1:.9f} at +250,000, {l3:.9f} at 3x the distances; gradients differ "
+          f"by {far:.1e} and {other:.1e} of their norm")
+    assert far < 1e-2 * other  # 250,000 positions on: a hundredth of what other distances change, or less
