@@ -5,6 +5,7 @@
 # (sliding_window_non_causal false: vLLM reads it as causal; EAGLE3_SERVE_AS_EXPORTED=1 lets stage 5 serve what it
 # would refuse), the same weights.
 #   bench/ab_serve.sh W DEVICE_FILES_DIR     (W: stage 1's work dir, e.g. runs/ab; DEVICE_FILES_DIR: the call's files)
+#   AB_EVAL_ARGS='--eval-dataset mtbench-long --max-seq-len 8192' bench/ab_serve.sh ...   (other stage-5 options)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 W=${1:?W}; files=${2:?DEVICE_FILES_DIR}
@@ -38,7 +39,8 @@ for tar in "$files"/*.tar; do
     "$PY" 03_build_vocab_mapping.py --config $cfg --work-dir "$run" --draft-vocab-size "$size" > "$run.vocab.log" 2>&1 || { tail -3 "$run.vocab.log"; exit 1; }
   fi
   method=$(field "$run/train/manifest.json" params draft_method)
-  serve "$run" --draft-method "$method"
+  # shellcheck disable=SC2086  # the options split on spaces
+  serve "$run" --draft-method "$method" ${AB_EVAL_ARGS:-}
   if [[ $method == dflash && ${AS_BEFORE:-} == 1 ]]; then  # the same weights as served before the fix: causal
     causal=$run-causal; rm -rf "$causal"; mkdir -p "$causal"
     cp -r "$run/final_draft" "$run/train" "$causal/"
