@@ -18,10 +18,13 @@ one() {  # DATA NAME=OPTIONS...: stages 2-3 of one data set, then its stage 4s s
   if [[ ! -f $W/hidden_states/manifest.json ]]; then
     mkdir -p "$W" && tar xzf ".ab/data/$data.tgz" -C "$W" || return 1
   fi
+  # stages 2-4 at stage 1's --max-seq-len (a data set of longer samples than the config's)
+  local AB_COMMON; AB_COMMON="--max-seq-len $(python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['params']['max_seq_len'])" "$W/prepared/manifest.json")"
+  export AB_COMMON
   if (( ${AB_SHARDS:-1} > 1 )); then  # extraction is the GPU half's bottleneck: N processes, one folder
     for ((i = 0; i < AB_SHARDS; i++)); do
       OMP_NUM_THREADS=2 timeout "${AB_XLIMIT:-${AB_LIMIT:-520}}" python3 02_extract_hidden_states.py --config configs/smollm2-135m.yaml \
-        --work-dir "$W" --backend hf --shard-index $i --num-shards "$AB_SHARDS" > "$root/$data.x$i.log" 2>&1 &
+        --work-dir "$W" $AB_COMMON --backend hf --shard-index $i --num-shards "$AB_SHARDS" > "$root/$data.x$i.log" 2>&1 &
     done
     wait
   fi

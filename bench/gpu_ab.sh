@@ -15,7 +15,9 @@ variants=("$@")
 (( ${#variants[@]} )) || variants=("eagle3=--draft-norms eagle3" "norm-before-fc=--draft-norms norm-before-fc"
                                     "fc-norm=--draft-norms fc-norm")
 PY=${PY:-python3}
-common=(--config "$cfg" --export-format eagle)  # eagle: no speculators package needed for the export
+# eagle: no speculators package needed for the export; AB_COMMON: options of stages 2-4 alike (--max-seq-len)
+# shellcheck disable=SC2206
+common=(--config "$cfg" --export-format eagle ${AB_COMMON:-})
 if [[ $stages == *2* ]]; then "$PY" 02_extract_hidden_states.py "${common[@]}" --work-dir "$work" --backend hf || exit 1; fi
 if [[ $stages == *3* ]]; then "$PY" 03_build_vocab_mapping.py "${common[@]}" --work-dir "$work" || exit 1; fi
 [[ $stages == *4* ]] || exit 0

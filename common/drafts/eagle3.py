@@ -190,7 +190,7 @@ def ttt_loss(model, batch, ttt_steps, decay, loss="kl", start=None):
     with torch.no_grad():
         target_ids, target_logp = losses.targets(model.verifier_lm_head(model.verifier_norm(batch["target_hidden"][ix["tpos"]])))
     plan = make_plan(ix, T, doc, batch["docs"], dev)
-    weights = None if start is None else losses.answer_start_weights(cpu["loss_mask"], cpu["doc"], *start)[ix["tpos"]].to(dev)
+    weights = None if start is None else losses.answer_start_weights(cpu["loss_mask"], cpu["doc"], *start).to(dev)[ix["tpos"]]
     chain_ok = torch.ones(T, dtype=torch.bool, device=dev)  # drafts 0..k-1 right from start i
     total, metrics = 0.0, {}
     for k, h in model.run_steps(aux, embeds, pos, plan):
