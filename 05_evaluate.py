@@ -27,14 +27,22 @@ from common.served import check_served_as_trained
 from common.stage import ensure_writable, start
 
 
+def longest_trained(work):
+    """The longest sample the draft trained on, from stage 1's manifest; 0 where a draft was copied without it (the
+    serve command's cap then rests on the contexts measured alone)."""
+    if not (work / "prepared" / "manifest.json").exists():
+        return 0
+    prep = read_manifest(work / "prepared", "prepare", "01_prepare_dataset.py")
+    return prep["counts"].get("max_len") or prep["params"]["max_seq_len"]
+
+
 def main():
     cfg, log = start(5, "05_evaluate", __doc__)
     work = Path(cfg.work_dir)
     train_man = read_manifest(work / "train", "train", "04_train.py")
     draft = work / "final_draft"
-    prep = read_manifest(work / "prepared", "prepare", "01_prepare_dataset.py")
-    trained_len = prep["counts"].get("max_len") or prep["params"]["max_seq_len"]  # its longest training sample
     conf = check_exported_draft(draft, train_man.get("exported_shapes"))
+    trained_len = longest_trained(work)
     method = method_of_export(conf)
     if method.name != cfg.draft_method:  # vLLM would load it with the wrong proposer, after the verifier's model load
         raise UsageError(f"{draft} holds a {method.name} draft but --draft-method is "
