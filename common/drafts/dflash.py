@@ -279,7 +279,7 @@ class DFlashMethod(DraftMethod):
     validation_args = ("all",)  # every block a loss-masked position can anchor (a sample of them would be noise)
 
     def geometry(self, cfg, shared, draft_vocab, num_aux, tokenizer, log=None):
-        if getattr(cfg, "answer_start_weight", 1) != 1:
+        if cfg.answer_start_weight != 1:
             raise UsageError(f"--answer-start-weight {cfg.answer_start_weight:g} is an EAGLE-3 option: DFlash weighs "
                              f"its block slots instead (--block-weights); drop it or use --draft-method eagle3")
         mask_id, why = resolve_mask_token(tokenizer(), shared["verifier_vocab_size"])
