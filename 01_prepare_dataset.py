@@ -34,7 +34,8 @@ def plan(cfg, log, out, model_dir, mix_stats):
                  "chunks of %d, resumable)", model_dir, cfg.tensor_parallel_size, cfg.temperature,
                  cfg.max_new_tokens, cfg.regenerate_chunk)
         if cfg.keep_original_answers:
-            log.info("plan: also keep every conversation with its own answers, as a second sample")
+            log.info("plan: also keep every conversation with its own answers, as a second sample%s",
+                     f" of up to {cfg.original_turns} user turns" if cfg.original_turns else "")
     log.info("plan: write %s/tokenized_data.jsonl (~%.0f MB at most) and manifest.json; truncation: %s",
              out, (cfg.num_samples or 20000) * cfg.max_seq_len * 9 / 1e6, TRUNCATION_POLICY)
 
@@ -58,13 +59,19 @@ def main():
     if cfg.keep_original_answers and not cfg.regenerate:
         raise UsageError("--keep-original-answers keeps the dataset's answers beside regenerated ones: add "
                          "--regenerate, or --no-keep-original-answers (the config may set it)")
+    if cfg.original_turns and not cfg.keep_original_answers:
+        raise UsageError(f"--original-turns {cfg.original_turns} shapes the dataset-answer twins: add "
+                         "--keep-original-answers (with --regenerate), or drop --original-turns")
+    if cfg.original_turns and cfg.max_turns and cfg.original_turns <= cfg.max_turns:
+        raise UsageError(f"--original-turns {cfg.original_turns} is not above --max-turns {cfg.max_turns}: the twins "
+                         f"would be the selected turns; raise it (e.g. {cfg.max_turns + 2}) or drop it")
     if cfg.chat_template and cfg.chat_template.endswith((".jinja", ".j2", ".txt")) \
             and not Path(cfg.chat_template).is_file():
         raise UsageError(f"--chat-template {cfg.chat_template}: file not found")
     t0 = time.time()
     # Inputs first (seconds), then the verifier's config (seconds), then anything expensive.
     evals = EvalPrompts()
-    convs, skips, n_read, sources, mix_stats = select_conversations(cfg, log, parts, evals)
+    convs, skips, n_read, sources, mix_stats, twins = select_conversations(cfg, log, parts, evals)
     model_dir, model_config = open_verifier(cfg, log, extra_positions=1)
     if cfg.regenerate:
         from common.engine import check_parallel, cpu_mla_fallback
@@ -83,11 +90,14 @@ def main():
         from common.engine import LazyEngine
         engine = LazyEngine(model_dir, cfg)
         convs = convs + written_prompts(engine, tok, cfg, model_dir, out, evals, log, mix_stats, sources)
-        originals = [(ref, msgs) for ref, msgs in convs if sources[ref] != VERIFIER]  # only these have answers
+        originals = [(ref, twins.get(ref, msgs)) for ref, msgs in convs if sources[ref] != VERIFIER]  # with answers
         convs, regen_stats = regenerate(convs, tok, cfg, model_dir, out, log, engine)
         engine.close()
         if cfg.keep_original_answers:  # appended: the regenerated samples keep their indices
             convs = convs + [(f"{ref}{DATASET_ANSWER}", msgs) for ref, msgs in originals]
+            if cfg.original_turns:
+                log.info("dataset answers: %d of %d twins hold more turns than their regenerated sample (up to %d)",
+                         sum(ref in twins for ref, _ in originals), len(originals), cfg.original_turns)
     records, tok_skips, truncated, own_ids = tokenize_all(convs, tok, cfg, log, sources)
     skips.update(tok_skips)
     if not records:
@@ -105,7 +115,8 @@ def main():
                   else None, truncation_policy=TRUNCATION_POLICY)
     if cfg.regenerate:
         params.update({k: cfg[k] for k in ("temperature", "max_new_tokens", "repetition_penalty",
-                                           "drop_capped_answers", "drop_reasoning", "keep_original_answers")})
+                                           "drop_capped_answers", "drop_reasoning", "keep_original_answers",
+                                           "original_turns")})
     write_manifest(out, "prepare", params, tokenizer=tokenizer_identity(tok), source=describe_mix(parts),
                    counts=stats, sources=per_source(records, mix_stats), regeneration=regen_stats and dict(regen_stats, **own_ids), timings={"total_seconds": round(time.time() - t0, 1)},
                    outputs={"tokenized_data": data_path.name, "tokenized_data_sha256": sha256_file(data_path)})

@@ -93,6 +93,9 @@ OPTIONS = [
     Opt("keep_original_answers", _bool, False, "with --regenerate: also keep each conversation with its own "
         "answers, as a second sample (more varied prefixes; the targets are the verifier's either way)",
         stages="1", flag=True),
+    Opt("original_turns", int, 0, "with --keep-original-answers: the dataset-answer twin keeps up to this many user "
+        "turns of its conversation (0 = as many as the regenerated sample): answers after earlier conversation at no "
+        "regeneration cost", stages="1", range="[0, inf)"),
     Opt("regenerate_chunk", int, 64, "conversations per resumable regeneration chunk", stages="1", range="[1, inf)"),
     # stage 2
     Opt("backend", str, "vllm", "hidden-state extraction backend", stages="2", choices=("vllm", "hf")),

@@ -124,12 +124,28 @@ def _first_user_key(messages):
     return hashlib.sha1(next(m["content"] for m in messages if m["role"] == "user").encode()).digest()
 
 
+def _turns(part, cfg):
+    return cfg.max_turns if part.source.max_turns is None else part.source.max_turns
+
+
+def _longer(record, turns, messages):
+    """The record with up to `turns` user turns (--original-turns); None where it has no more than the selected
+    messages, or a later turn is empty or malformed (the twin keeps what was selected)."""
+    try:
+        longer = normalize(record, turns)
+    except (Skip, BadRecord):
+        return None
+    return longer if len(longer) > len(messages) else None
+
+
 def read_source(part, cfg):
-    """-> ([(ref, messages)] deduplicated in file order, skip Counter, records read)."""
+    """-> ([(ref, messages)] deduplicated in file order, skip Counter, records read, {ref: longer messages}).
+    The selection reads --max-turns (or the source's own) alone; --original-turns only adds the longer twins."""
     src = part.source
     records = src.read() if src.read else iter_records(part.name, cfg.dataset_split)
-    turns = cfg.max_turns if src.max_turns is None else src.max_turns
-    skips, seen, convs, n_read = Counter(), set(), [], 0
+    turns = _turns(part, cfg)
+    more = cfg.original_turns if cfg.keep_original_answers and cfg.original_turns > (turns or math.inf) else 0
+    skips, seen, convs, n_read, longer = Counter(), set(), [], 0, {}
     for ref, record in records:
         n_read += 1
         try:
@@ -150,20 +166,23 @@ def read_source(part, cfg):
             seen.add(key)
         rid = record.get("id") if isinstance(record.get("id"), (str, int)) else None
         convs.append((str(rid) if rid is not None else ref, messages))
-    return convs, skips, n_read
+        if more and (twin := _longer(record, more, messages)):
+            longer[convs[-1][0]] = twin
+    return convs, skips, n_read, longer
 
 
 def select_conversations(cfg, log, parts, evals):
     """Read every read-able part, shuffle it, take its share. -> (convs, skips, records read, {ref: source name},
-    per-part stats). A part the verifier writes is left for stage 1 to fill after its model load."""
-    convs, skips, sources, stats, taken, n_read = [], Counter(), {}, [], set(), 0
+    per-part stats, {ref: messages of the dataset-answer twin where --original-turns makes it longer}). A part the
+    verifier writes is left for stage 1 to fill after its model load."""
+    convs, skips, sources, stats, taken, n_read, twins = [], Counter(), {}, [], set(), 0, {}
     for part, quota in zip(parts, quotas(parts, cfg.num_samples)):
         row = {"source": part.name, "weight": part.weight, "quota": quota}
         stats.append(row)
         if part.written:
             continue
         t0 = time.time()
-        got, part_skips, read = read_source(part, cfg)
+        got, part_skips, read, longer = read_source(part, cfg)
         n_read += read
         if cfg.shuffle:
             random.Random(cfg.seed).shuffle(got)
@@ -179,6 +198,9 @@ def select_conversations(cfg, log, parts, evals):
                 part_skips["eval_prompt_overlap"] += 1
                 continue
             chosen.append((ref, messages))
+        for ref, messages in chosen:  # a later turn that repeats an evaluation question stays out of training
+            if ref in longer and not evals.conversation_overlaps(longer[ref]):
+                twins[ref] = longer[ref]
         taken.update(_first_user_key(m) for _, m in chosen)
         if not chosen:
             raise UsageError(f"--dataset {part.name}: no usable conversation (read {read}, skipped "
@@ -191,7 +213,7 @@ def select_conversations(cfg, log, parts, evals):
         skips.update(part_skips)
         sources.update((ref, part.name) for ref, _ in chosen)
         convs += chosen
-    return convs, skips, n_read, sources, stats
+    return convs, skips, n_read, sources, stats, twins
 
 
 def describe_mix(parts):

@@ -98,8 +98,10 @@ def compare_steps(pairs, k):
 
 def verdict(c):
     """'' when vLLM accepted what the draft predicts (near-ties aside), else one line naming the likely causes."""
-    if not c["steps"]:
-        return ""
+    if not c["steps"]:  # no proof either way: say so, rather than pass
+        return (f"the served-vs-trained check compared no verify step ({c.get('prompts', 0)} held-out samples, none with "
+                f"a verify step inside its stored answer): served acceptance is unchecked against training; hold out "
+                f"more samples (stage 4's --val-fraction) or raise --max-new-tokens")
     gap = max(abs(a - b) for a, b in zip(c["served_per_position"], c["predicted_per_position"]))
     if c["agree"] >= 0.95 * c["steps"] and gap <= 0.02 and c["beyond_near_ties"] <= 0.01 * c["steps"]:
         return ""

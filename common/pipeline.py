@@ -15,7 +15,7 @@ FOLDERS = {"01_prepare_dataset": "prepared", "02_extract_hidden_states": "hidden
 # re-runs the stage, which resumes what still holds: regeneration chunks and hidden-state files are keyed by
 # the settings they depend on)
 KEYS = {"01_prepare_dataset": ["dataset", "dataset_split", "num_samples", "seed", "shuffle", "dedup", "max_turns",
-                               "max_seq_len", "regenerate", "keep_original_answers", "temperature", "max_new_tokens",
+                               "max_seq_len", "regenerate", "keep_original_answers", "original_turns", "temperature", "max_new_tokens",
                                "repetition_penalty", "drop_capped_answers", "drop_reasoning"],
         "02_extract_hidden_states": ["hs_dtype", "layer_ids"],
         "03_build_vocab_mapping": ["draft_vocab_size"],

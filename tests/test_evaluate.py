@@ -176,3 +176,5 @@ def test_served_steps_are_compared_where_both_sequences_agree():
     many[0] = (0, (1, [NEAR_TIE + 2, 0.1]), "x@1")  # a confident prediction vLLM did not accept: not numerics
     bad = compare_steps(many, 2)
     assert bad["beyond_near_ties"] == 1 and "likely causes" in verdict(bad)
+    none = dict(compare_steps([], 2), prompts=1)  # a check that compared nothing does not pass
+    assert none["steps"] == 0 and "compared no verify step (1 held-out samples" in verdict(none)

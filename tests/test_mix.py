@@ -78,6 +78,10 @@ def test_multiturn_source_keeps_later_turns(tmp_path, tokenizer):
     ("packaged,sharegpt-multiturn", [], ["a mix needs --num-samples"]),
     ("verifier-prompts", ["--num-samples", 4], ["verifier-prompts", "add --regenerate"]),
     ("packaged,,x", [], ["an empty entry"]),
+    ("packaged", ["--original-turns", 3], ["--original-turns 3 shapes the dataset-answer twins",
+                                           "add --keep-original-answers"]),
+    ("packaged", ["--regenerate", "--keep-original-answers", "--max-turns", 2, "--original-turns", 2],
+     ["--original-turns 2 is not above --max-turns 2"]),
 ])
 def test_bad_mixes_are_refused_before_anything_is_read(tmp_path, dataset, extra, needles):
     proc = prepare(tmp_path / "w", dataset, *extra)

@@ -3,7 +3,8 @@ import json
 
 import torch
 
-from conftest import run_script, write_jsonl
+from common.sources import mtbench_questions
+from conftest import manifest, run_script, write_jsonl
 
 QUESTIONS = ["What is the capital of France?", "Name three primary colors.", "What is 12 times 12?",
              "Write one sentence about the sea.", "Who wrote Hamlet?"]
@@ -13,9 +14,13 @@ def test_regenerated_answers_equal_hf_greedy(tmp_path, verifier_dir, tokenizer):
     from transformers import AutoModelForCausalLM
     rows = [{"id": f"q{i}", "messages": [{"role": "user", "content": q}, {"role": "assistant", "content": "x"}]}
             for i, q in enumerate(QUESTIONS)]
+    # later turns, for --original-turns below (--max-turns 1 regenerates first turns); q1's repeats MT-bench
+    rows[0]["messages"] += [{"role": "user", "content": "And of Spain?"}, {"role": "assistant", "content": "y"}]
+    rows[1]["messages"] += [{"role": "user", "content": mtbench_questions()[0][1][0]},
+                            {"role": "assistant", "content": "z"}]
     data = write_jsonl(tmp_path / "q.jsonl", rows)
     args = ["--dataset", data, "--work-dir", tmp_path / "w", "--regenerate", "--no-shuffle", "--max-new-tokens", 24,
-            "--dtype", "float32", "--max-seq-len", 512, "--regenerate-chunk", 2]
+            "--dtype", "float32", "--max-seq-len", 512, "--regenerate-chunk", 2, "--max-turns", 1]
     proc = run_script("01_prepare_dataset.py", *args)
     assert proc.returncode == 0, proc.output[-3000:]
     out = tmp_path / "w" / "prepared"
@@ -56,6 +61,18 @@ def test_regenerated_answers_equal_hf_greedy(tmp_path, verifier_dir, tokenizer):
     both = [json.loads(l) for l in (out / "tokenized_data.jsonl").read_text().splitlines()]
     assert both[:5] == rows and [r["id"] for r in both[5:]] == [f"q{i}#original" for i in range(5)]
     assert tokenizer.decode([t for t, m in zip(both[5]["input_ids"], both[5]["loss_mask"]) if m]).startswith("x")
+
+    # --original-turns 2: the twins keep their second turn with the dataset's answers (no engine, the same
+    # regenerated samples); a later turn that repeats an MT-bench question stays out (q1's twin keeps one turn)
+    proc = run_script("01_prepare_dataset.py", *args, "--keep-original-answers", "--original-turns", 2)
+    assert proc.returncode == 0 and "3 already done" in proc.output, proc.output[-3000:]
+    assert "1 of 5 twins hold more turns than their regenerated sample (up to 2)" in proc.output
+    longer = [json.loads(l) for l in (out / "tokenized_data.jsonl").read_text().splitlines()]
+    assert longer[:5] == rows and longer[6:] == both[6:]
+    assert tokenizer.decode(longer[5]["input_ids"]).count("<|im_start|>user") == 2
+    masked = [t for t, m in zip(longer[5]["input_ids"], longer[5]["loss_mask"]) if m]
+    assert tokenizer.decode(masked).replace("<|im_end|>", " ").split() == ["x", "y"]  # both dataset answers
+    assert manifest(tmp_path / "w", "prepared")["params"]["original_turns"] == 2
 
     # the first 4 conversations (a smaller --num-samples; a larger one is the same the other way round) are
     # the same first two chunks: reused, no engine
