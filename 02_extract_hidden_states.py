@@ -16,13 +16,14 @@ from common.hidden_states import LAYER_CONVENTION, disk_estimate, is_valid, samp
 from common.io import check_free_disk, sha256_text, write_json_atomic, write_manifest
 from common.log import fmt_duration
 from common.models import open_verifier
-from common.prepare import load_prepared
+from common.prepare import follow_stage1_length, load_prepared
 from common.stage import ensure_writable, start
 
 
 def preflight(cfg, log):
     """Everything that can fail, in seconds, before the model loads."""
     prep_man, records = load_prepared(cfg.work_dir)
+    follow_stage1_length(cfg, prep_man, log)
     model_dir, text_cfg = open_verifier(cfg, log, extra_positions=1)
     if prep_man["params"]["model_dir"] != model_dir and prep_man["params"]["verifier"] != cfg.verifier:
         raise UsageError(f"prepared data was tokenized for verifier {prep_man['params']['verifier']}, not "

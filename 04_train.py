@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from common.config import trained_with
 from common.errors import UsageError, run_main
 from common.export import compare_with_reference, export_draft, serve_command
-from common.prepare import split_by_conversation, validation_groups
+from common.prepare import follow_stage1_length, split_by_conversation, validation_groups
 from common.hidden_states import check_files
 from common.io import write_manifest
 from common.models import load_tokenizer, open_verifier
@@ -54,6 +54,7 @@ def main():
     set_threads(cfg, device, log)
     torch.manual_seed(cfg.seed)
     prep_man, records, hs_man, voc_man, layer_ids = read_inputs(cfg)
+    follow_stage1_length(cfg, prep_man, log)
     model_dir, text_cfg = open_verifier(cfg, log)
     full = voc_man["counts"]["full_vocabulary"]
     draft_vocab = text_cfg.vocab_size if full else voc_man["counts"]["draft_vocab_size"]

@@ -250,6 +250,16 @@ def load_prepared(work_dir):
     return man, records
 
 
+def follow_stage1_length(cfg, prep_man, log):
+    """--max-seq-len is the prepared data's (stage 1's manifest) unless this command line sets it: a config's shorter
+    value would refuse stage 1's longer samples, and the serve command would cap the draft below what it trained on."""
+    theirs = prep_man["params"]["max_seq_len"]
+    if cfg.max_seq_len != theirs and cfg.source.get("max_seq_len") != "command line":
+        log.info("--max-seq-len %d: stage 1's, which prepared the data (the %s says %d)", theirs,
+                 cfg.source.get("max_seq_len", "default"), cfg.max_seq_len)
+        cfg["max_seq_len"], cfg.source["max_seq_len"] = theirs, "stage 1's manifest"
+
+
 def conversation_id(sample_id):
     """The conversation a sample comes from: a dataset-answer twin shares its regenerated sample's."""
     return sample_id.removesuffix(DATASET_ANSWER)

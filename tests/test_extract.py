@@ -126,6 +126,15 @@ def test_preflight_errors_before_load(prepared, tmp_path):
     with open(changed / "prepared" / "tokenized_data.jsonl", "a") as fh:
         fh.write('{"id": "x", "input_ids": [1], "loss_mask": [1]}\n')
     clean_error(run_script("02_extract_hidden_states.py", "--work-dir", changed, *COMMON), "changed after")
+    # a config's shorter --max-seq-len gives way to stage 1's (its samples are that long); the command line's does not
+    short = tmp_path / "short.yaml"
+    short.write_text("max_seq_len: 64\n")
+    rest = [a for i, a in enumerate(COMMON) if "--max-seq-len" not in COMMON[max(i - 1, 0):i + 1]]
+    proc = run_script("02_extract_hidden_states.py", "--config", short, "--work-dir", prepared, *rest, "--dry-run")
+    assert proc.returncode == 0 and "--max-seq-len 192: stage 1's, which prepared the data (the config says 64)" \
+        in proc.output, proc.output[-2000:]
+    clean_error(run_script("02_extract_hidden_states.py", "--config", short, "--work-dir", prepared, *rest,
+                           "--max-seq-len", 64), "use the --max-seq-len of stage 1 (192)")
     assert time.time() - t0 < 120  # each refusal takes seconds, no model load
 
 
