@@ -6,7 +6,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from common.chat import BadRecord, Skip, normalize, tokenize_conversation
+from common.chat import Skip, tokenize_conversation
 from common.errors import UsageError
 from common.io import atomic_path, read_manifest, sha256_file
 from common.log import Progress

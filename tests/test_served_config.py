@@ -8,7 +8,6 @@ import dataclasses
 import json
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
