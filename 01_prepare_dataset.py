@@ -51,6 +51,24 @@ def written_prompts(engine, tok, cfg, model_dir, out, evals, log, mix_stats, sou
     return convs
 
 
+def check_original_turns(cfg, log):
+    """--original-turns shapes the dataset-answer twins. Given on the command line it must make sense; from a config
+    (the embedded default sets it), it gives way to command-line options that leave it nothing to do."""
+    if not cfg.original_turns:
+        return
+    why = fix = None
+    if not cfg.keep_original_answers:
+        why, fix = "no dataset-answer twins are kept", "add --keep-original-answers (with --regenerate), or drop it"
+    elif cfg.max_turns and cfg.original_turns <= cfg.max_turns:
+        why = f"it is not above --max-turns {cfg.max_turns}: the twins would be the selected turns"
+        fix = f"raise it (e.g. {cfg.max_turns + 2}) or drop it"
+    if why and cfg.source.get("original_turns") == "command line":
+        raise UsageError(f"--original-turns {cfg.original_turns}: {why}; {fix}")
+    if why:
+        log.info("the config's original_turns %d has nothing to do (%s): not used", cfg.original_turns, why)
+        cfg.original_turns = 0
+
+
 def main():
     cfg, log = start(1, "01_prepare", __doc__)
     out = Path(cfg.work_dir) / "prepared"
@@ -59,12 +77,7 @@ def main():
     if cfg.keep_original_answers and not cfg.regenerate:
         raise UsageError("--keep-original-answers keeps the dataset's answers beside regenerated ones: add "
                          "--regenerate, or --no-keep-original-answers (the config may set it)")
-    if cfg.original_turns and not cfg.keep_original_answers:
-        raise UsageError(f"--original-turns {cfg.original_turns} shapes the dataset-answer twins: add "
-                         "--keep-original-answers (with --regenerate), or drop --original-turns")
-    if cfg.original_turns and cfg.max_turns and cfg.original_turns <= cfg.max_turns:
-        raise UsageError(f"--original-turns {cfg.original_turns} is not above --max-turns {cfg.max_turns}: the twins "
-                         f"would be the selected turns; raise it (e.g. {cfg.max_turns + 2}) or drop it")
+    check_original_turns(cfg, log)
     if cfg.chat_template and cfg.chat_template.endswith((".jinja", ".j2", ".txt")) \
             and not Path(cfg.chat_template).is_file():
         raise UsageError(f"--chat-template {cfg.chat_template}: file not found")

@@ -78,16 +78,28 @@ def test_multiturn_source_keeps_later_turns(tmp_path, tokenizer):
     ("packaged,sharegpt-multiturn", [], ["a mix needs --num-samples"]),
     ("verifier-prompts", ["--num-samples", 4], ["verifier-prompts", "add --regenerate"]),
     ("packaged,,x", [], ["an empty entry"]),
-    ("packaged", ["--original-turns", 3], ["--original-turns 3 shapes the dataset-answer twins",
+    ("packaged", ["--original-turns", 3], ["--original-turns 3: no dataset-answer twins are kept",
                                            "add --keep-original-answers"]),
     ("packaged", ["--regenerate", "--keep-original-answers", "--max-turns", 2, "--original-turns", 2],
-     ["--original-turns 2 is not above --max-turns 2"]),
+     ["--original-turns 2: it is not above --max-turns 2"]),
 ])
 def test_bad_mixes_are_refused_before_anything_is_read(tmp_path, dataset, extra, needles):
     proc = prepare(tmp_path / "w", dataset, *extra)
     line = usage_error(proc)
     assert all(n in line for n in needles), line
     assert not (tmp_path / "w").exists()
+
+
+def test_the_configs_original_turns_gives_way_to_the_command_line(tmp_path):
+    """The embedded default's config sets original_turns: --no-regenerate --no-keep-original-answers, or a
+    --max-turns at or above it, must not need a third flag to undo it."""
+    for extra in (["--no-regenerate", "--no-keep-original-answers"], ["--max-turns", 3]):
+        work = tmp_path / str(extra[-1])
+        proc = prepare(work, "packaged", "--config", "configs/smollm2-135m.yaml", "--num-samples", 4, "--dry-run",
+                       *extra)
+        assert proc.returncode == 0, proc.output[-2000:]
+        assert "the config's original_turns 3 has nothing to do" in proc.output, proc.output[-2000:]
+        assert "of up to 3 user turns" not in proc.output  # the plan goes on without it
 
 
 def test_a_source_that_yields_nothing_is_named(tmp_path):
