@@ -59,7 +59,7 @@ def test_shipped_configs_parse():
     kimi = parse_config(4, "t", ["--config", str(ROOT / "configs" / "kimi-k2.5.yaml")])
     assert kimi.layer_ids == [2, 30, 58, 61] and kimi.tensor_parallel_size == 8
     assert (kimi.draft_num_heads, kimi.draft_num_kv_heads, kimi.draft_head_dim,
-            kimi.draft_intermediate_size, kimi.draft_vocab_size, kimi.max_seq_len) == (64, 64, 128, 18432, 32000, 2048)
+            kimi.draft_intermediate_size, kimi.draft_vocab_size, kimi.max_seq_len) == (64, 64, 128, 18432, 32000, 4096)
 
 
 def test_five_option_command_from_another_pipeline_gets_every_replacement_at_once():

@@ -16,6 +16,7 @@ from common import mini_kimi
 from common.build_draft import geometry
 from common.config import parse_config
 from common.drafts.dflash import DFlashDraft, DFlashGeometry
+from common.drafts import method
 from common.drafts.eagle3 import DraftGeometry, Eagle3Draft
 from common.drafts.layers import Rotary
 from common.export import draft_config, export_draft
@@ -129,9 +130,17 @@ def test_the_shipped_kimi_configs_export_what_they_train(tmp_path, config):
     else:
         assert served["norm_before_residual"] is False and served["aux_layer_ids"] == [2, 30, 58]
     assert served["rope"] == KIMI_ROPE and served["max_position_embeddings"] == 262144  # Kimi's YaRN, all 256K
+    # stage 4's preflight estimate at the shipped length (EAGLE-3: 58.5 GB at 4,096, 39.2 at 2,048) fits one 80 GB GPU;
+    # DFlash's flex attention on CUDA needs the same at any length (its weights and optimizer state are most of it)
+    need = {n: method(cfg.draft_method).memory(g, cfg, n, torch.device("cuda")) for n in (2048, cfg.max_seq_len)}
+    assert cfg.max_seq_len == 4096, cfg.max_seq_len
+    if cfg.draft_method == "dflash":
+        assert need[2048] == need[4096], need
+    else:
+        assert 55e9 < need[4096] < 0.9 * 80e9 and need[2048] < 40e9, need
 
 
-# far beyond any sample stage 4 trains on (2,048 in the Kimi configs), up to the last position Kimi serves
+# far beyond any sample stage 4 trains on (4,096 in the Kimi configs), up to the last position Kimi serves
 POSITIONS = [0, 1, 767, 2047, 4095, 4096, 8191, 32768, 131071, 262143]
 
 
