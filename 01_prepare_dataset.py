@@ -14,7 +14,7 @@ from common.errors import UsageError, run_main
 from common.io import atomic_path, check_free_disk, sha256_file, sha256_text, write_manifest
 from common.models import load_tokenizer, open_verifier, tokenizer_identity
 from common.decontam import EvalPrompts
-from common.mix import check_mix, describe_mix, parse_mix, select_conversations
+from common.mix import check_mix, check_original_turns, describe_mix, parse_mix, select_conversations
 from common.prepare import DATASET_ANSWER, per_source, regenerate, token_stats, tokenize_all
 from common.stage import ensure_writable, start
 from common.verifier_prompts import SOURCE as VERIFIER, write_prompts
@@ -49,24 +49,6 @@ def written_prompts(engine, tok, cfg, model_dir, out, evals, log, mix_stats, sou
     row.update(selected=len(convs), written=stats)
     sources.update((ref, VERIFIER) for ref, _ in convs)
     return convs
-
-
-def check_original_turns(cfg, log):
-    """--original-turns shapes the dataset-answer twins. Given on the command line it must make sense; from a config
-    (the embedded default sets it), it gives way to command-line options that leave it nothing to do."""
-    if not cfg.original_turns:
-        return
-    why = fix = None
-    if not cfg.keep_original_answers:
-        why, fix = "no dataset-answer twins are kept", "add --keep-original-answers (with --regenerate), or drop it"
-    elif cfg.max_turns and cfg.original_turns <= cfg.max_turns:
-        why = f"it is not above --max-turns {cfg.max_turns}: the twins would be the selected turns"
-        fix = f"raise it (e.g. {cfg.max_turns + 2}) or drop it"
-    if why and cfg.source.get("original_turns") == "command line":
-        raise UsageError(f"--original-turns {cfg.original_turns}: {why}; {fix}")
-    if why:
-        log.info("the config's original_turns %d has nothing to do (%s): not used", cfg.original_turns, why)
-        cfg.original_turns = 0
 
 
 def main():

@@ -108,6 +108,25 @@ def check_mix(parts, cfg):
         raise UsageError(f"--dataset {generated[0]}: set --num-samples (how many prompts the verifier writes)")
 
 
+def check_original_turns(cfg, log):
+    """--original-turns shapes the dataset-answer twins. Given on the command line it must make sense; from a config
+    (the embedded default sets it), it gives way to command-line options that leave it nothing to do."""
+    if not cfg.original_turns:
+        return
+    why = fix = None
+    if not cfg.keep_original_answers:
+        why, fix = "no dataset-answer twins are kept", "add --keep-original-answers (with --regenerate), or drop it"
+    elif cfg.max_turns and cfg.original_turns <= cfg.max_turns:
+        why = f"it is not above --max-turns {cfg.max_turns}: the twins would be the selected turns"
+        fix = f"raise it (e.g. {cfg.max_turns + 2}) or drop it"
+    if not why:
+        return
+    if cfg.source.get("original_turns") == "command line":
+        raise UsageError(f"--original-turns {cfg.original_turns}: {why}; {fix}")
+    log.info("the config's original_turns %d has nothing to do (%s): not used", cfg.original_turns, why)
+    cfg.original_turns = 0
+
+
 def quotas(parts, total):
     """Each part's share of `total` samples (largest remainders; 0 = all, for a single part)."""
     if not total:

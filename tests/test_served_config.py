@@ -15,8 +15,8 @@ from safetensors import safe_open
 from common import mini_kimi
 from common.build_draft import geometry
 from common.config import parse_config
-from common.drafts.dflash import DFlashDraft, DFlashGeometry
 from common.drafts import method
+from common.drafts.dflash import DFlashDraft, DFlashGeometry
 from common.drafts.eagle3 import DraftGeometry, Eagle3Draft
 from common.drafts.layers import Rotary
 from common.export import draft_config, export_draft
