@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from common.errors import UsageError, run_main
-from common.prepare import load_prepared
+from common.prepare import load_prepared, verifier_written
 from common.io import atomic_path, write_manifest
 from common.models import load_tokenizer, open_verifier
 from common.stage import ensure_writable, start
@@ -34,6 +34,10 @@ def main():
         return 0
     ensure_writable(out)
     counts = count_assistant_tokens(records)
+    # --draft-vocab-from verifier: the verifier's own answers rank first (serving drafts its tokens, not a dataset's);
+    # the dataset's answers break their ties and fill the rest. No regenerated answers: the same ranking as `all`.
+    regenerated = prep_man["params"].get("regenerate", False)
+    own = count_assistant_tokens(r for r in records if verifier_written(r, regenerated))
     top = [{"id": t, "count": c} for t, c in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:20]]
     tok = load_tokenizer(model_dir, trust_remote_code=cfg.trust_remote_code)
     for row in top:
@@ -46,20 +50,26 @@ def main():
         log.info("draft vocab %d >= verifier vocab %d: full vocabulary, no mapping written",
                  cfg.draft_vocab_size, verifier_vocab)
     else:
-        target_ids, pad = select_draft_vocab(counts, cfg.draft_vocab_size, verifier_vocab)
+        target_ids, pad = select_draft_vocab(counts, cfg.draft_vocab_size, verifier_vocab,
+                                             own if cfg.draft_vocab_from == "verifier" else None)
         d2t, t2d = mapping_arrays(target_ids, verifier_vocab)
         for name, arr in (("d2t.npy", d2t), ("t2d.npy", t2d)):
             with atomic_path(out / name) as tmp:
                 with open(tmp, "wb") as fh:
                     np.save(fh, arr)
         stats.update(full_vocabulary=False, draft_vocab_size=cfg.draft_vocab_size, padded_ids=pad,
-                     coverage=round(coverage(counts, target_ids), 6))
+                     coverage=round(coverage(counts, target_ids), 6), verifier_answer_tokens=sum(own.values()),
+                     verifier_coverage=round(coverage(own, target_ids), 6))
         if pad:
             log.info("only %d distinct assistant tokens seen: padded the draft vocab with the %d smallest unseen "
                      "ids (they will never be predicted usefully)", len(counts), pad)
-        log.info("%d unique assistant tokens; the top %d cover %.2f%% of %d assistant tokens", len(counts),
-                 cfg.draft_vocab_size, 100 * stats["coverage"], stats["assistant_tokens"])
-    params = {"draft_vocab_size": cfg.draft_vocab_size, "verifier_vocab_size": verifier_vocab,
+        log.info("%d unique assistant tokens; the draft vocab of %d (ranked by %s) covers %.2f%% of %d assistant "
+                 "tokens, %.2f%% of the %d in the verifier's own answers", len(counts), cfg.draft_vocab_size,
+                 "the verifier's answers first" if cfg.draft_vocab_from == "verifier" else "every answer",
+                 100 * stats["coverage"], stats["assistant_tokens"], 100 * stats["verifier_coverage"],
+                 stats["verifier_answer_tokens"])
+    params = {"draft_vocab_size": cfg.draft_vocab_size, "draft_vocab_from": cfg.draft_vocab_from,
+              "verifier_vocab_size": verifier_vocab,
               "verifier": cfg.verifier, "prepared_sha256": prep_man["outputs"]["tokenized_data_sha256"]}
     write_manifest(out, "vocab", params, tokenizer=prep_man["tokenizer"], counts=stats)
     log.info("wrote %s", out)

@@ -56,6 +56,7 @@ def main():
     prep_man, records, hs_man, voc_man, layer_ids = read_inputs(cfg)
     follow_stage1_length(cfg, prep_man, log)
     model_dir, text_cfg = open_verifier(cfg, log)
+    cfg["draft_vocab_from"] = voc_man["params"].get("draft_vocab_from", "all")  # recorded as what stage 3 built
     full = voc_man["counts"]["full_vocabulary"]
     draft_vocab = text_cfg.vocab_size if full else voc_man["counts"]["draft_vocab_size"]
     require_speculators(cfg)
@@ -145,6 +146,7 @@ def finish(cfg, log, model, g, layer_ids, model_dir, text_cfg, state, val_rows, 
     params = {o: cfg[o] for o in (*RESUME_KEYS, "grad_accum", "export_format", "draft_method",
                                   *method_of(cfg).options)}
     params["positions"] = k  # per-position metrics: TTT steps, or a DFlash block's drafted tokens
+    params["draft_vocab_from"] = cfg.draft_vocab_from  # stage 3's, which built the vocab (main)
     write_manifest(out, "train", dict(params, layer_ids=layer_ids, geometry=g.to_dict()),
                    counts={"train_samples": n_train, "val_samples": len(val_idx), "steps": state["step"],
                            "tokens": state["tokens"]},

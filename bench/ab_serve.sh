@@ -32,11 +32,13 @@ for tar in "$files"/*.tar; do
   [[ -f $run/final_draft/model.safetensors ]] || "$PY" bench/draft_transport.py unpack "$tar" "$run" || exit 1
   for d in prepared hidden_states; do ln -sfn "$(realpath "$W/$d")" "$run/$d"; done
   size=$(field "$run/train/manifest.json" params geometry draft_vocab_size)
-  if [[ $size == $(field "$W/vocab/manifest.json" counts draft_vocab_size) ]]; then
+  vocab_from() { "$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['params'].get('draft_vocab_from', 'all'))" "$1"; }
+  from=$(vocab_from "$run/train/manifest.json")
+  if [[ $size == $(field "$W/vocab/manifest.json" counts draft_vocab_size) && $from == $(vocab_from "$W/vocab/manifest.json") ]]; then
     ln -sfn "$(realpath "$W/vocab")" "$run/vocab"
-  else  # a --draft-vocab-size variant: its own mapping, as bench/gpu_ab.sh built it there (stage 3 is deterministic)
+  else  # a --draft-vocab-size / --draft-vocab-from variant: its own mapping, as bench/gpu_ab.sh built it there (stage 3 is deterministic)
     [[ -L $run/vocab ]] && rm "$run/vocab"
-    "$PY" 03_build_vocab_mapping.py --config $cfg --work-dir "$run" --draft-vocab-size "$size" > "$run.vocab.log" 2>&1 || { tail -3 "$run.vocab.log"; exit 1; }
+    "$PY" 03_build_vocab_mapping.py --config $cfg --work-dir "$run" --draft-vocab-size "$size" --draft-vocab-from "$from" > "$run.vocab.log" 2>&1 || { tail -3 "$run.vocab.log"; exit 1; }
   fi
   method=$(field "$run/train/manifest.json" params draft_method)
   # shellcheck disable=SC2086  # the options split on spaces

@@ -24,7 +24,7 @@ if [[ $stages == *3* ]]; then "$PY" 03_build_vocab_mapping.py "${common[@]}" --w
 for v in "${variants[@]}"; do
   name=${v%%=*}; w="$work-$name"; mkdir -p "$w"
   for sub in prepared hidden_states; do ln -sfn "$(realpath "$work/$sub")" "$w/$sub"; done
-  if [[ $v == *--draft-vocab-size* ]]; then
+  if [[ $v == *--draft-vocab-size* || $v == *--draft-vocab-from* ]]; then
     # shellcheck disable=SC2086
     "$PY" 03_build_vocab_mapping.py "${common[@]}" --work-dir "$w" ${v#*=} > "$w.vocab.log" 2>&1 || { cat "$w.vocab.log"; exit 1; }
   else

@@ -76,7 +76,7 @@ def main():
     data = prep / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in records))
     sha = sha256_file(data)
-    write_manifest(prep, "prepare", {"synthetic": True}, tokenizer=tok,
+    write_manifest(prep, "prepare", {"synthetic": True, "max_seq_len": 2048}, tokenizer=tok,  # documents <= 2,048
                    outputs={"tokenized_data": data.name, "tokenized_data_sha256": sha})
     hs = work / "hidden_states"
     hs.mkdir(parents=True, exist_ok=True)

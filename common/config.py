@@ -110,6 +110,9 @@ OPTIONS = [
     Opt("self_check_samples", int, 8, "samples checked with lm_head(norm(h_N)) after extraction", stages="2", range="[0, inf)"),
     # stage 3
     Opt("draft_vocab_size", int, 32000, "draft vocabulary size", stages="34", range="[2, inf)"),
+    Opt("draft_vocab_from", str, "all", "which answers rank the draft vocabulary: all (every assistant token) or "
+        "verifier (the verifier's own regenerated answers first, the dataset's answers after them)", stages="3",
+        choices=("all", "verifier")),
     # stage 4
     Opt("epochs", int, 1, "training epochs", stages="4", range="[1, inf)"),
     Opt("max_steps", int, 0, "stop after this many optimizer steps (0 = no cap)", stages="4", range="[0, inf)"),

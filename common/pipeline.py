@@ -18,7 +18,7 @@ KEYS = {"01_prepare_dataset": ["dataset", "dataset_split", "num_samples", "seed"
                                "max_seq_len", "regenerate", "keep_original_answers", "original_turns", "temperature", "max_new_tokens",
                                "repetition_penalty", "drop_capped_answers", "drop_reasoning"],
         "02_extract_hidden_states": ["hs_dtype", "layer_ids"],
-        "03_build_vocab_mapping": ["draft_vocab_size"],
+        "03_build_vocab_mapping": ["draft_vocab_size", "draft_vocab_from"],
         "04_train": ["epochs", "max_steps", "ttt_steps", "ttt_decay", "answer_start_weight", "answer_start_tokens",
                      "lr", "warmup_steps", "weight_decay", "grad_clip",
                      "max_tokens_per_step", "seed", "val_fraction", "export_format", "hidden_noise", "train_lm_head",

@@ -272,11 +272,15 @@ def split_by_conversation(records, present, val_fraction, seed):
     return split_samples(present, val_fraction, seed, lambda i: conversation_id(records[i]["id"]))
 
 
+def verifier_written(record, regenerated):
+    """Whether a sample's answers are the verifier's own (regenerated), not a dataset's."""
+    return regenerated and not record["id"].endswith(DATASET_ANSWER)
+
+
 def validation_groups(records, val_idx, regenerated):
     """Held-out samples by whose answer they hold: the verifier's own (regenerated; what serving sees, so their
     simulated acceptance is the one vLLM should reproduce) or the dataset's. None unless both are present."""
     groups = {"verifier answers": [], "dataset answers": []}
     for i in val_idx:
-        own = regenerated and not records[i]["id"].endswith(DATASET_ANSWER)
-        groups["verifier answers" if own else "dataset answers"].append(i)
+        groups["verifier answers" if verifier_written(records[i], regenerated) else "dataset answers"].append(i)
     return groups if all(groups.values()) else None

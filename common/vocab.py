@@ -15,16 +15,18 @@ def count_assistant_tokens(records):
     return counts
 
 
-def select_draft_vocab(counts, draft_vocab, verifier_vocab):
+def select_draft_vocab(counts, draft_vocab, verifier_vocab, first=None):
     """-> (sorted target ids of the draft vocab, number of padding ids added).
 
-    Most frequent first, ties broken by the smaller id; when fewer distinct tokens were seen
-    than the draft vocab holds, the smallest unseen ids fill it (deterministic padding).
+    Most frequent first (by `first`'s counts where given, then by `counts`), ties broken by the smaller id;
+    when fewer distinct tokens were seen than the draft vocab holds, the smallest unseen ids fill it
+    (deterministic padding).
     """
     bad = [t for t in counts if not 0 <= t < verifier_vocab]
     if bad:
         raise ValueError(f"token ids {bad[:5]} outside the verifier vocabulary of {verifier_vocab}")
-    ranked = sorted(counts, key=lambda t: (-counts[t], t))[:draft_vocab]
+    first = first or Counter()
+    ranked = sorted(counts, key=lambda t: (-first[t], -counts[t], t))[:draft_vocab]
     chosen = set(ranked)
     pad = draft_vocab - len(chosen)
     if pad:

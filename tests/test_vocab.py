@@ -25,6 +25,14 @@ def test_padding_when_fewer_tokens_seen():
     assert pad == 3 and ids.tolist() == [0, 1, 2, 3, 5]  # smallest unseen ids fill the rest
 
 
+def test_verifier_answers_rank_first():
+    counts = Counter({1: 9, 2: 8, 3: 2, 4: 1})  # every answer: 1 and 2 lead
+    own = Counter({3: 2, 4: 1, 2: 1})  # the verifier's own answers: 3 leads, then 2 and 4 tie (2 has more overall)
+    assert select_draft_vocab(counts, 2, 10, own)[0].tolist() == [2, 3]
+    assert select_draft_vocab(counts, 3, 10, own)[0].tolist() == [2, 3, 4]
+    assert select_draft_vocab(counts, 2, 10, Counter())[0].tolist() == [1, 2]  # none regenerated: as `all`
+
+
 def prepared_work(tmp_path, name="w"):
     rows = [{"id": "a", "conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello hello!"}]},
             {"id": "b", "conversations": [{"from": "human", "value": "Yo"}, {"from": "gpt", "value": "Hello there."}]}]
@@ -80,3 +88,32 @@ def test_training_refuses_mismatched_vocab(tmp_path, verifier_dir):
     man_path.write_text(json.dumps(man))
     proc = run_script("04_train.py", "--work-dir", work, "--draft-vocab-size", 16)
     assert proc.returncode == 2 and "other prepared data" in proc.stderr
+
+
+def test_script_ranks_the_verifiers_answers_first(tmp_path, verifier_dir):
+    """Stage 1's regenerated samples (their ids without '#original') rank the draft vocab under
+    --draft-vocab-from verifier; the dataset-answer twin only fills what is left."""
+    import hashlib
+    work = prepared_work(tmp_path)
+    path, man_path = work / "prepared" / "tokenized_data.jsonl", work / "prepared" / "manifest.json"
+    rows = [json.loads(l) for l in path.read_text().splitlines()]
+    rows[1]["id"] += "#original"  # b: a dataset answer; a: the verifier's
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prep = json.loads(man_path.read_text())
+    prep["params"]["regenerate"] = True
+    prep["outputs"]["tokenized_data_sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
+    man_path.write_text(json.dumps(prep))
+    masked = [Counter(t for t, m in zip(r["input_ids"], r["loss_mask"]) if m) for r in rows]
+    only_b = sorted(set(masked[1]) - set(masked[0]))
+    size = len(masked[0])  # exactly the verifier's answer's distinct tokens
+    run_script("03_build_vocab_mapping.py", "--work-dir", work, "--draft-vocab-size", size,
+               "--draft-vocab-from", "verifier", check=True)
+    man = json.loads((work / "vocab" / "manifest.json").read_text())
+    kept = (np.arange(size) + np.load(work / "vocab" / "d2t.npy")).tolist()
+    assert sorted(kept) == sorted(masked[0]) and man["params"]["draft_vocab_from"] == "verifier"
+    assert man["counts"]["verifier_coverage"] == 1.0 and man["counts"]["verifier_answer_tokens"] == sum(masked[0].values())
+    run_script("03_build_vocab_mapping.py", "--work-dir", work, "--draft-vocab-size", size, check=True)
+    kept_all = (np.arange(size) + np.load(work / "vocab" / "d2t.npy")).tolist()
+    total = masked[0] + masked[1]
+    assert sorted(kept_all) == sorted(sorted(total, key=lambda t: (-total[t], t))[:size])
+    assert set(kept_all) & set(only_b)  # `all` takes a token only the dataset's answer holds
