@@ -63,11 +63,12 @@ def main():
         if pad:
             log.info("only %d distinct assistant tokens seen: padded the draft vocab with the %d smallest unseen "
                      "ids (they will never be predicted usefully)", len(counts), pad)
+        own_part = (f", {100 * stats['verifier_coverage']:.2f}% of the {stats['verifier_answer_tokens']} in the "
+                    "verifier's own answers" if own else " (no answer is the verifier's own)")
         log.info("%d unique assistant tokens; the draft vocab of %d (ranked by %s) covers %.2f%% of %d assistant "
-                 "tokens, %.2f%% of the %d in the verifier's own answers", len(counts), cfg.draft_vocab_size,
-                 "the verifier's answers first" if cfg.draft_vocab_from == "verifier" else "every answer",
-                 100 * stats["coverage"], stats["assistant_tokens"], 100 * stats["verifier_coverage"],
-                 stats["verifier_answer_tokens"])
+                 "tokens%s", len(counts), cfg.draft_vocab_size,
+                 "the verifier's answers first" if cfg.draft_vocab_from == "verifier" and own else "every answer",
+                 100 * stats["coverage"], stats["assistant_tokens"], own_part)
     params = {"draft_vocab_size": cfg.draft_vocab_size, "draft_vocab_from": cfg.draft_vocab_from,
               "verifier_vocab_size": verifier_vocab,
               "verifier": cfg.verifier, "prepared_sha256": prep_man["outputs"]["tokenized_data_sha256"]}
