@@ -46,7 +46,8 @@ def test_script_counts_padding_and_full_vocab(tmp_path, verifier_dir, tokenizer)
     work = prepared_work(tmp_path)
     rows = [json.loads(l) for l in (work / "prepared" / "tokenized_data.jsonl").read_text().splitlines()]
     masked = Counter(t for r in rows for t, m in zip(r["input_ids"], r["loss_mask"]) if m)
-    run_script("03_build_vocab_mapping.py", "--work-dir", work, "--draft-vocab-size", 4, check=True)
+    proc = run_script("03_build_vocab_mapping.py", "--work-dir", work, "--draft-vocab-size", 4, check=True)
+    assert "(no answer is the verifier's own)" in proc.output  # no regeneration: no second coverage figure
     man = json.loads((work / "vocab" / "manifest.json").read_text())
     d2t = np.load(work / "vocab" / "d2t.npy")
     top4 = sorted(sorted(masked, key=lambda t: (-masked[t], t))[:4])
