@@ -59,16 +59,16 @@ def main():
                     np.save(fh, arr)
         stats.update(full_vocabulary=False, draft_vocab_size=cfg.draft_vocab_size, padded_ids=pad,
                      coverage=round(coverage(counts, target_ids), 6), verifier_answer_tokens=sum(own.values()),
-                     verifier_coverage=round(coverage(own, target_ids), 6))
+                     verifier_coverage=round(coverage(own, target_ids), 6) if own else None)
         if pad:
             log.info("only %d distinct assistant tokens seen: padded the draft vocab with the %d smallest unseen "
                      "ids (they will never be predicted usefully)", len(counts), pad)
-        own_part = (f", {100 * stats['verifier_coverage']:.2f}% of the {stats['verifier_answer_tokens']} in the "
-                    "verifier's own answers" if own else " (no answer is the verifier's own)")
+        ranked = "the verifier's answers first" if cfg.draft_vocab_from == "verifier" and own else "every answer"
+        of_own = (f"{100 * stats['verifier_coverage']:.2f}% of the {stats['verifier_answer_tokens']} in the verifier's "
+                  "own answers" if own else "no answer is the verifier's own")
         log.info("%d unique assistant tokens; the draft vocab of %d (ranked by %s) covers %.2f%% of %d assistant "
-                 "tokens%s", len(counts), cfg.draft_vocab_size,
-                 "the verifier's answers first" if cfg.draft_vocab_from == "verifier" and own else "every answer",
-                 100 * stats["coverage"], stats["assistant_tokens"], own_part)
+                 "tokens (%s)", len(counts), cfg.draft_vocab_size, ranked, 100 * stats["coverage"],
+                 stats["assistant_tokens"], of_own)
     params = {"draft_vocab_size": cfg.draft_vocab_size, "draft_vocab_from": cfg.draft_vocab_from,
               "verifier_vocab_size": verifier_vocab,
               "verifier": cfg.verifier, "prepared_sha256": prep_man["outputs"]["tokenized_data_sha256"]}

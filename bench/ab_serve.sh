@@ -26,13 +26,15 @@ serve() {  # run dir, then extra stage-5 options
   grep -E "acceptance length|served vs trained|accepted otherwise|baseline: " "$run.eval.log" | sed 's/^.*\] //' | head -8
   [[ -f $run/eval/baseline.json ]] && cp "$run/eval/baseline.json" "$W/baseline.json"
 }
+vocab_from() {  # a vocab or train manifest -> the ranking its draft vocab had (before 2026-12-06: all)
+  "$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['params'].get('draft_vocab_from', 'all'))" "$1"
+}
 for tar in "$files"/*.tar; do
   name=$(basename "$tar" .tar); [[ $name == parity_states ]] && continue
   run=$W-${name#*-}
   [[ -f $run/final_draft/model.safetensors ]] || "$PY" bench/draft_transport.py unpack "$tar" "$run" || exit 1
   for d in prepared hidden_states; do ln -sfn "$(realpath "$W/$d")" "$run/$d"; done
   size=$(field "$run/train/manifest.json" params geometry draft_vocab_size)
-  vocab_from() { "$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['params'].get('draft_vocab_from', 'all'))" "$1"; }
   from=$(vocab_from "$run/train/manifest.json")
   if [[ $size == $(field "$W/vocab/manifest.json" counts draft_vocab_size) && $from == $(vocab_from "$W/vocab/manifest.json") ]]; then
     ln -sfn "$(realpath "$W/vocab")" "$run/vocab"
