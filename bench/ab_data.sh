@@ -4,7 +4,8 @@
 # held-out samples' states per data set and the logs come back in 15 MiB parts ($OUT/ab.tar.part-*).
 #   tar czf .ab/data/NAME.tgz -C RUN prepared     (here, for each data set: stage 1's folder only)
 #   bench/ab_data.sh VARIANTS_FILE                (there; lines NAME=04_train options, NAME naming .ab/data/NAME.tgz;
-#                                                  NAME.TAG: another stage 4 of the same data set, extracted once)
+#                                                  NAME.TAG: another stage 4 of the same data set, extracted once;
+#                                                  .ab/data/NAME.opts, if there: options of its stages 2-4, e.g. --layer-ids)
 # AB_SHARDS=N extracts each data set in N processes first. Needs what bench/ab_device.sh needs (/tmp/site, the GGUF's two parts). Here afterwards:
 #   cat FILES/ab.tar.part-* | tar x -C runs/abd && bench/ab_serve.sh runs/abd/W-NAME runs/abd/NAME ... per data set
 set -uo pipefail
@@ -20,6 +21,7 @@ one() {  # DATA NAME=OPTIONS...: stages 2-3 of one data set, then its stage 4s s
   fi
   # stages 2-4 at stage 1's --max-seq-len (a data set of longer samples than the config's)
   local AB_COMMON; AB_COMMON="--max-seq-len $(python3 -c "import json, sys; print(json.load(open(sys.argv[1]))['params']['max_seq_len'])" "$W/prepared/manifest.json")"
+  [[ -f .ab/data/$data.opts ]] && AB_COMMON+=" $(cat ".ab/data/$data.opts")"  # the data set's own stage 2-4 options
   export AB_COMMON
   if (( ${AB_SHARDS:-1} > 1 )); then  # extraction is the GPU half's bottleneck: N processes, one folder
     for ((i = 0; i < AB_SHARDS; i++)); do
