@@ -42,17 +42,20 @@ def test_sigkill_resume_matches_uninterrupted(extracted, tmp_path, extra):
         proc = run_script("04_train.py", "--work-dir", work, *args)
         assert proc.returncode == 0, proc.output[-3000:]
         if name == "killed":
-            assert "resumed from" in proc.output
+            resumed_at = int(re.search(r"resumed from \S*step_(\d+)", proc.output).group(1))
         runs[name] = work
     a_ck, b_ck = (sorted((w / "train" / "checkpoints").glob("step_*"), key=lambda p: int(p.name[5:]))[-1]
                   for w in runs.values())
     assert a_ck.name == b_ck.name
+    curves = [[(r["step"], r["loss_0"]) for r in map(json.loads, (w / "train" / "metrics.jsonl")
+               .read_text().splitlines()) if r["kind"] == "train"] for w in runs.values()]
+    # where the two runs part, if they do: before the resume point the killed run's first process computed it
+    first = next((x[0] for x, y in zip(*curves) if x != y), None)
+    where = f"resumed at step {resumed_at}; the loss curves first differ at step {first}"
     a, b = (load_file(str(c / "trainable.safetensors")) for c in (a_ck, b_ck))
     for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
-    curves = [[(r["step"], round(r["loss_0"], 5)) for r in map(json.loads, (w / "train" / "metrics.jsonl")
-               .read_text().splitlines()) if r["kind"] == "train"] for w in runs.values()]
-    assert curves[0] == curves[1]  # the resumed run follows the same loss curve
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6, msg=lambda m: f"{k}: {m} ({where})")
+    assert curves[0] == curves[1], where  # the resumed run follows the same loss curve
     # the same command once more on a finished run: nothing retrained, re-validated or lost
     metrics = (runs["killed"] / "train" / "metrics.jsonl").read_text()
     proc = run_script("04_train.py", "--work-dir", runs["killed"], *args)
