@@ -86,9 +86,14 @@ def run_cmd(cmd, timeout=900, env=None, **kw):
     return done
 
 
+def script_env(env=None):
+    """The environment a numbered script runs in under the tests."""
+    return dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", **(env or {}))
+
+
 def run_script(script, *args, timeout=900, check=False, env=None):
     """Run a numbered script; returns CompletedProcess with combined text output."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false", **(env or {}))
+    env = script_env(env)
     proc = run_cmd([sys.executable, ROOT / script, *args], timeout=timeout, env=env)
     if check and proc.returncode != 0:
         raise AssertionError(f"{script} exited {proc.returncode}:\n{proc.output[-4000:]}")

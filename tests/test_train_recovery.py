@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import copy_work, OVERFIT, ROOT, run_script, usage_error, VOCAB
+from conftest import copy_work, OVERFIT, ROOT, run_script, script_env, usage_error, VOCAB
 
 
 @pytest.mark.parametrize("extra", [(), ("--optimizer", "muon", "--draft-method", "dflash", "--block-size", 4,
@@ -31,9 +31,8 @@ def test_sigkill_resume_matches_uninterrupted(extracted, tmp_path, extra):
             run_script("03_build_vocab_mapping.py", "--work-dir", work, *VOCAB, check=True)
         else:  # the environment run_script gives, its output kept for the message below
             cmd = [sys.executable, str(ROOT / "04_train.py"), "--work-dir", str(work), *map(str, args)]
-            env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
             with open(tmp_path / "killed.log", "w") as out:
-                proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=env,
+                proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=script_env(),
                                         start_new_session=True)
                 ck = work / "train" / "checkpoints"
                 deadline = time.time() + 300
@@ -64,7 +63,7 @@ def test_sigkill_resume_matches_uninterrupted(extracted, tmp_path, extra):
     where = f"resumed at step {resumed_at}; the loss curves first differ at step {first}; straight: {setup[0]}; " \
             f"killed: {setup[1]}"
     # before the resume point the killed run's first process computed the curve, as the straight run did: where
-    # the two part there, this machine's kernels are not reproducible from one process to the next (CI's AMX Xeon
+    # the two part there, this machine's kernels are not reproducible from one process to the next (a CI machine
     # once parted at step 1), which no resume causes; the weights then agree only to that
     parted_before = first is not None and first <= resumed_at
     if parted_before:
