@@ -70,7 +70,7 @@ def main():
     model_dir, model_config = open_verifier(cfg, log, extra_positions=1)
     if cfg.regenerate:
         from common.engine import check_parallel, cpu_mla_fallback
-        check_parallel(cfg, model_config)
+        check_parallel(cfg, model_config, aux=False)  # regeneration reads no aux hidden states
         cpu_mla_fallback(model_config, log, cfg.dtype, draft=False)
     if cfg.dry_run:
         plan(cfg, log, out, model_dir, mix_stats)

@@ -20,10 +20,12 @@ from common.evaluate import (acceptance_breakdown, acceptance_row, baseline_key,
                              vocab_coverage)
 from common.parity import parity_samples, served_vs_predicted, verdict
 from common.drafts import method_of_export
+from common.engine import compute_dtype
 from common.export import check_exported_draft, serve_command
 from common.io import read_manifest, write_manifest
 from common.models import load_tokenizer, open_verifier
 from common.served import check_served_as_trained
+from common.speedup import speedup_model
 from common.stage import ensure_writable, start
 
 
@@ -106,6 +108,10 @@ def main():
             if checks and k == engines[-1] else None
         tokens, secs, counters, steps, single, checked = run_engine(model_dir, cfg, prompts, spec, check)
         row = acceptance_row(k, tokens, secs, counters, base_tokens, base_s, single, base_single)
+        row["steps_source"] = counters["steps_source"]
+        row["speedup_model"] = speedup_model(cfg, text_cfg, model_dir, draft, k, method.draft_passes(k),
+                                             row["acceptance_length"], single, base_single,
+                                             compute_dtype(cfg.eval_dtype or cfg.dtype))
         row["breakdown"] = acceptance_breakdown(steps, [categories.get(r, "") for r in ids_kept], k,
                                                 group_key=group_key,
                                                 prompt_lens=[len(p["prompt_token_ids"]) for p in prompts])
@@ -119,6 +125,7 @@ def main():
             log.info("k=%d at concurrency 1 (%d prompts one at a time): %.1f tokens/s vs %.1f baseline (%.2fx)", k,
                      min(cfg.latency_prompts, len(prompts)), row["tokens_per_s_concurrency_1"],
                      row["baseline_tokens_per_s_concurrency_1"], row["speedup_concurrency_1"])
+        log_speedup(k, row["speedup_model"], log)
         for key, table in (row["breakdown"] or {}).items():
             log.info("k=%d %s: %s", k, key.replace("_", " "), ", ".join(
                 f"{name} {v['acceptance_length']:.3f}" for name, v in table.items()))
@@ -156,6 +163,16 @@ def main():
     return 0
 
 
+def log_speedup(k, s, log):
+    m, p = s["measured"], s["predicted"]
+    if m:
+        log.info("k=%d measured on %s: verifier step %.2f ms, speculative round %.2f ms, draft pass %.2f ms (c = %.3f)",
+                 k, s["machine"], m["verifier_ms_per_step"], m["round_ms"], m["draft_ms_per_pass"], m["c"])
+    log.info("k=%d predicted for %s at concurrency 1 by weight bytes: %.2fx (acceptance length %.3f, c = %.4f, "
+             "r_verify %.2f, %d draft passes per round; formula in report.md)", k, s["target"], p["predicted_speedup"],
+             p["acceptance_length"], p["c"], p["r_verify"], p["draft_passes"])
+
+
 def parity_check(work, checks, checked, k, train_man, row, log):
     """Served against trained on held-out samples: vLLM's accepted count at every verify step against the draft's
     prediction there; one warning line when they differ beyond near-ties."""
@@ -168,10 +185,12 @@ def parity_check(work, checks, checked, k, train_man, row, log):
         return
     best = train_man.get("best_validation") or {}
     c["stage4_validation"] = [best.get(f"full_acc_{j}") for j in range(k)] if best else None
+    c["steps_source"] = row.get("steps_source")
     row["served_vs_predicted"] = c
-    log.info("k=%d served vs trained on %d held-out samples: vLLM accepted what the draft predicts at %d of %d verify "
-             "steps; per position vLLM %s, predicted %s (%.1f s)", k, c["prompts"], c["agree"], c["steps"],
-             c["served_per_position"], c["predicted_per_position"], time.time() - t0)
+    if c["steps"]:
+        log.info("k=%d served vs trained on %d held-out samples: vLLM accepted what the draft predicts at %d of %d verify "
+                 "steps (from %s); per position vLLM %s, predicted %s (%.1f s)", k, c["prompts"], c["agree"], c["steps"],
+                 c["steps_source"], c["served_per_position"], c["predicted_per_position"], time.time() - t0)
     why = verdict(c)
     if why:
         log.warning("k=%d: %s", k, why)

@@ -35,9 +35,15 @@ def cuda_count():
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def check_parallel(cfg, model_config):
-    """Refuse, before any load, a tensor/pipeline parallel size the machine or model cannot take."""
+def check_parallel(cfg, model_config, aux=True):
+    """Refuse, before any load, a vLLM outside the supported range and a tensor/pipeline parallel size the machine,
+    the model or (aux: the stage needs aux hidden states) this vLLM cannot take."""
     from common.errors import UsageError
+    from common.vllm_compat import check_pipeline_parallel, check_supported
+    if os.environ.get("EAGLE3_VLLM_ANY") != "1":
+        check_supported()
+    if aux:
+        check_pipeline_parallel(cfg, model_config)
     tp, pp = cfg.tensor_parallel_size, cfg.pipeline_parallel_size
     heads = getattr(model_config, "num_attention_heads", None)
     kv = getattr(model_config, "num_key_value_heads", None) or heads
@@ -150,6 +156,8 @@ def make_llm(model, cfg, max_model_len=None, dtype=None, **extra):
             extra.setdefault("async_scheduling", False)
             log.warning("vLLM will run its V1 model runner here (%s): async scheduling off (vLLM #56417 duplicates "
                         "output tokens with it on GPUs)", why)
+        from common.vllm_compat import flashinfer_sampler_env
+        flashinfer_sampler_env(log)
         fallback = False
         GPU_BASELINE.update(gpu_memory_used())  # what the GPUs held before this engine: close_llm waits for it
     from vllm import LLM
@@ -159,8 +167,10 @@ def make_llm(model, cfg, max_model_len=None, dtype=None, **extra):
     args = dict(model=model, tokenizer=model, dtype=dtype, seed=cfg.seed, tensor_parallel_size=cfg.tensor_parallel_size,
                 pipeline_parallel_size=cfg.pipeline_parallel_size, max_model_len=max_model_len or cfg.max_seq_len,
                 trust_remote_code=cfg.trust_remote_code, **extra)
+    from common.engine_watch import StartWatch
     try:
-        llm = LLM(**args)
+        with StartWatch(log):  # an engine process that dies while starting ends the stage, not hangs it
+            llm = LLM(**args)
     except Exception as e:
         if not fallback:
             raise
@@ -169,7 +179,8 @@ def make_llm(model, cfg, max_model_len=None, dtype=None, **extra):
         log.warning("vLLM's engine did not start inside this process (%s); starting it with its own processes",
                     first_line(e))
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = IN_PROCESS[0] = "1"
-        llm = LLM(**args)
+        with StartWatch(log):
+            llm = LLM(**args)
     log.info("vLLM engine ready in %.1fs (model %s, dtype %s, TP=%d, PP=%d)", time.time() - t0, model, dtype,
              cfg.tensor_parallel_size, cfg.pipeline_parallel_size)
     return llm

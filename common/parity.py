@@ -90,7 +90,7 @@ def compare_steps(pairs, k):
     agree = sum(a == p for a, (p, _), _ in pairs)
     ties = sorted(({"step": label, "served": a, "predicted": p, "margin": round(m[min(a, p)], 3)}
                    for a, (p, m), label in pairs if a != p), key=lambda d: d["margin"])
-    per_pos = lambda f: [round(sum(f(x) > j for x in pairs) / max(n, 1), 4) for j in range(k)]  # noqa: E731
+    per_pos = lambda f: [round(sum(f(x) > j for x in pairs) / n, 4) if n else None for j in range(k)]  # noqa: E731
     return {"steps": n, "agree": agree, "served_per_position": per_pos(lambda x: x[0]),
             "predicted_per_position": per_pos(lambda x: x[1][0]), "disagreements": ties,
             "beyond_near_ties": sum(d["margin"] >= NEAR_TIE for d in ties)}
@@ -165,7 +165,8 @@ def parity_table(r, c):
                  f"run as in training over the same tokens, predicts", "",
              "| drafted position | vLLM | predicted at vLLM's steps | stage 4 validation (every position) |",
              "|---|---|---|---|"]
-    lines += [f"| {j + 1} | {s:.3f} | {p:.3f} | {'-' if t is None else f'{t:.3f}'} |"
+    shown = lambda x: "not measured" if x is None else f"{x:.3f}"  # noqa: E731 (no verify step compared: no figure)
+    lines += [f"| {j + 1} | {shown(s)} | {shown(p)} | {'-' if t is None else f'{t:.3f}'} |"
               for j, (s, p, t) in enumerate(zip(c["served_per_position"], c["predicted_per_position"], trained))]
     if c["disagreements"]:
         shown = ", ".join(f"{d['step']} vLLM {d['served']} / predicted {d['predicted']} (margin {d['margin']:.2f})"

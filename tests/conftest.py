@@ -184,6 +184,17 @@ def offline_hub(root, repo_id, folder, revision="0123456789abcdef0123456789abcde
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: starts a vLLM engine or trains (the quick subset: -m 'not slow')")
+    config.addinivalue_line("markers", "gpu: a check for a CUDA GPU and CUDA vLLM (`pytest -m gpu` on a GPU node; "
+                                       "skipped where NVML sees no GPU, as in CI)")
+
+
+def has_gpu():
+    """An NVIDIA GPU, seen through NVML (CUDA stays uninitialised: the stages' vLLM engines fork their workers)."""
+    from common.engine import gpu_memory_used
+    return bool(gpu_memory_used())
+
+
+needs_gpu = pytest.mark.skipif(not has_gpu(), reason="needs an NVIDIA GPU (NVML) and CUDA vLLM")
 
 
 # fixtures that start a vLLM engine or train a draft: a test that uses one (directly or through another) is slow

@@ -118,3 +118,36 @@ def test_both_wrappers_run_the_environment_eagle3_venv_names(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert calls.read_text().startswith("-m pytest --co -q tests/test_vocab.py")
+
+
+def cuda_vllm_env(path, version, python):
+    """An environment that already holds a CUDA vLLM, as a GPU node's own or the lent GPU's unpacked one is: a
+    bin/python wrapper around `python` with a vllm-VERSION.dist-info on its path (the metadata setup reads)."""
+    meta = path / "site" / f"vllm-{version}.dist-info"
+    meta.mkdir(parents=True)
+    (meta / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
+    (path / "bin").mkdir()
+    (path / "bin" / "python").write_text(f"#!/bin/sh\nPYTHONPATH={path / 'site'} exec {python} \"$@\"\n")
+    (path / "bin" / "python").chmod(0o755)
+    return {str(p.relative_to(path)) for p in path.rglob("*")}
+
+
+def test_setup_takes_an_environment_that_holds_a_cuda_vllm_as_it_is(tmp_path):
+    env = fake_nvidia_smi(tmp_path / "bin", 1)
+    venv = tmp_path / "node"
+    before = cuda_vllm_env(venv, "0.26.0", sys.executable)
+    proc = setup(env=dict(env, EAGLE3_VENV=str(venv)))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"[setup] using the CUDA vLLM 0.26.0 already in {venv} (torch " in proc.stdout, proc.stdout
+    assert "nothing installed" in proc.stdout
+    assert {str(p.relative_to(venv)) for p in venv.rglob("*")} == before  # no stamp, nothing installed
+    old = tmp_path / "old"
+    cuda_vllm_env(old, "0.25.1", sys.executable)
+    proc = setup(env=dict(env, EAGLE3_VENV=str(old)))
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stdout + proc.stderr
+    assert "holds CUDA vLLM 0.25.1, outside the supported range (0.26.0 to 0.33.x)" in proc.stderr
+    bare = tmp_path / "bare"  # a vLLM beside a Python that has none of the pipeline's other packages
+    cuda_vllm_env(bare, "0.33.0", shutil.which("python3"))
+    proc = setup(env=dict(env, EAGLE3_VENV=str(bare)))
+    assert proc.returncode == 2 and "lacks: torch transformers" in proc.stderr, proc.stdout + proc.stderr
+    assert f"{bare}/bin/python -m pip install --no-deps torch" in proc.stderr

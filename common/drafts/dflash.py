@@ -325,6 +325,9 @@ class DFlashMethod(DraftMethod):
                      "EAGLE-3's)", conf["block_size"], conf["block_size"] - 1)
         return [conf["block_size"] - 1]
 
+    def draft_passes(self, k):
+        return 1  # the whole block in one forward
+
     def trained_fields(self, g, params):
         return dict(num_layers=g["num_layers"], causal=[g.get("causal", False)] * g["num_layers"],
                     mask_token_id=g["mask_token_id"], drafted_tokens=g["block_size"] - 1)

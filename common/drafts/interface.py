@@ -81,6 +81,11 @@ class DraftMethod:
         """The k's stage 5 serves this exported draft at."""
         return sorted(set(cfg.num_speculative_tokens))
 
+    def draft_passes(self, k):
+        """Draft forward passes per verify step at k drafted tokens (an autoregressive draft: k; a block draft: 1):
+        the cost side of common/speedup.py's prediction."""
+        return k
+
     def trained_fields(self, g, params):
         """Its fields of common/served.py's comparison, as stage 4 trained them (g: the manifest's geometry dict)."""
         return {}

@@ -1,0 +1,140 @@
+"""An engine that dies while it starts ends the stage in seconds, with one line naming the cause.
+
+vLLM starts its engine core (and, at TP > 1, its workers) as processes of their own. When one of them dies during
+start-up, the `LLM(...)` call in the stage can wait on it forever without a line (seen with vLLM 0.26 on an H100:
+7.5 min, until the call was killed). While an engine starts, a thread here watches this process's vLLM processes;
+one that was alive and is gone (or a zombie) means a dead engine: the stage logs the last error line those processes
+wrote (their stderr passes through a small tee kept here), stops what is left of the engine, and exits with status 1.
+Finished work is on disk already (every stage writes atomically and resumes), so a re-run picks up where it was.
+"""
+import collections
+import contextlib
+import os
+import re
+import signal
+import sys
+import threading
+import time
+
+TAIL = collections.deque(maxlen=400)  # the last lines written to this process's stderr, its engine's included
+_TEE = []
+ERROR_LINE = re.compile(r"^\s*(?:\S*(?:Error|Exception|Exit)\w*:|RuntimeError|Traceback|CUDA error|.*\bERROR\b)")
+
+
+def tee_stderr():
+    """Pass fd 2 through a pipe read by a daemon thread that writes every line on to the real stderr and keeps the
+    last ones in TAIL. Processes started after this inherit the pipe, so their tracebacks land in TAIL too. Once per
+    process; the thread lives as long as the process (its engines keep writing to the pipe)."""
+    if _TEE:
+        return
+    sys.stderr.flush()
+    real = os.dup(2)
+    r, w = os.pipe()
+    os.dup2(w, 2)
+    os.close(w)
+
+    def pump():
+        buf = b""
+        while True:
+            try:
+                chunk = os.read(r, 65536)
+            except OSError:
+                return
+            if not chunk:
+                return
+            with contextlib.suppress(OSError):
+                os.write(real, chunk)
+            buf += chunk
+            *lines, buf = buf.split(b"\n")
+            TAIL.extend(line.decode("utf-8", "replace") for line in lines)
+    threading.Thread(target=pump, daemon=True, name="stderr-tee").start()
+    _TEE.append(real)
+
+
+def _children():
+    """{pid: (parent pid, state, command line)} of every process, from /proc."""
+    out = {}
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = open(f"/proc/{d}/stat").read()
+            state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+            cmd = open(f"/proc/{d}/cmdline", "rb").read().replace(b"\0", b" ").decode("utf-8", "replace").strip()
+            name = stat[stat.index("(") + 1:stat.rindex(")")]
+            out[int(d)] = (int(ppid), state, cmd or name)
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def descendants(pid=None, table=None):
+    """{pid: (state, command line)} of every process below `pid` (default: this one)."""
+    table = table if table is not None else _children()
+    below, todo = {}, [pid or os.getpid()]
+    while todo:
+        p = todo.pop()
+        for c, (pp, state, cmd) in table.items():
+            if pp == p and c not in below:
+                below[c] = (state, cmd)
+                todo.append(c)
+    return below
+
+
+def cause():
+    """The last error-looking line written to stderr (an engine's traceback ends with the exception's line)."""
+    lines = [line for line in TAIL if line.strip()]
+    for line in reversed(lines):
+        if ERROR_LINE.match(line) and not line.strip().startswith("Traceback"):
+            return line.strip()[:300]
+    return lines[-1].strip()[:300] if lines else "no error line was written"
+
+
+class StartWatch:
+    """Context for one engine start: a thread polls this process's descendants every `poll` s; a vLLM process (a
+    direct child: the engine core or a worker; or one titled VLLM::...) seen alive for `settle` s that is gone or a
+    zombie while the start is still under way means a dead engine. Then, after `grace` s (vLLM may raise on its own,
+    the better outcome), `on_dead(line)` runs: by default log the line, stop every descendant and exit 1."""
+
+    def __init__(self, log, poll=1.0, settle=2.0, grace=10.0, on_dead=None):
+        self.log, self.poll, self.settle, self.grace = log, poll, settle, grace
+        self.on_dead = on_dead or self._exit
+        self.done = threading.Event()
+        self.dead = None
+
+    def __enter__(self):
+        tee_stderr()
+        self.thread = threading.Thread(target=self._watch, daemon=True, name="engine-start-watch")
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.done.set()
+        return False
+
+    def _watch(self):
+        me, seen = os.getpid(), {}
+        while not self.done.wait(self.poll):
+            table = _children()
+            below = descendants(me, table)
+            for pid, (state, cmd) in below.items():
+                watched = table[pid][0] == me or cmd.startswith("VLLM")
+                if watched and state != "Z":
+                    seen.setdefault(pid, (time.time(), cmd))
+            for pid, (since, cmd) in list(seen.items()):
+                if time.time() - since < self.settle:
+                    continue
+                if pid not in below or below[pid][0] == "Z":
+                    self.dead = (pid, cmd)
+                    if self.done.wait(self.grace):
+                        return
+                    self.on_dead(f"vLLM's engine died while starting (process {pid}, {cmd.split(' ')[0]}, exited): "
+                                 f"{cause()}")
+                    return
+
+    def _exit(self, line):
+        self.log.error("%s; the full traceback is above in this log. Fix that and re-run the same command: finished "
+                       "work is kept", line)
+        for pid in descendants():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        sys.stdout.flush()
+        os._exit(1)

