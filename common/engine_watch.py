@@ -79,6 +79,12 @@ def descendants(pid=None, table=None):
     return below
 
 
+def is_engine(cmd, mine):
+    """An engine process by its command line: vLLM's title (VLLM::EngineCore, VLLM::Worker_TP0), a fork of this
+    process (the same command line) or a child multiprocessing spawned (not its resource tracker)."""
+    return cmd.startswith("VLLM") or cmd == mine or ("multiprocessing" in cmd and "resource_tracker" not in cmd)
+
+
 def cause():
     """The last error-looking line written to stderr (an engine's traceback ends with the exception's line)."""
     lines = [line for line in TAIL if line.strip()]
@@ -89,16 +95,17 @@ def cause():
 
 
 class StartWatch:
-    """Context for one engine start: a thread polls this process's descendants every `poll` s; a vLLM process (a
-    direct child: the engine core or a worker; or one titled VLLM::...) seen alive for `settle` s that is gone or a
-    zombie while the start is still under way means a dead engine. Then, after `grace` s (vLLM may raise on its own,
-    the better outcome), `on_dead(line)` runs: by default log the line, stop every descendant and exit 1."""
+    """Context for one engine start: a thread polls this process's descendants every `poll` s. An engine process (a
+    fork of this one, a multiprocessing child or one titled VLLM::...) that has died and is left unreaped (a zombie:
+    nothing waited on it) for `grace` s while the start is still under way means a dead engine that vLLM did not notice
+    (it raises on its own where it does, the better outcome). Then `on_dead(line)` runs: by default log the line, stop
+    every descendant and exit 1. Helpers that exit and are waited for (vLLM's registry probe, compilers) are not
+    engines: they are never zombies for long."""
 
-    def __init__(self, log, poll=1.0, settle=2.0, grace=10.0, on_dead=None):
-        self.log, self.poll, self.settle, self.grace = log, poll, settle, grace
+    def __init__(self, log, poll=1.0, grace=10.0, on_dead=None):
+        self.log, self.poll, self.grace = log, poll, grace
         self.on_dead = on_dead or self._exit
         self.done = threading.Event()
-        self.dead = None
 
     def __enter__(self):
         tee_stderr()
@@ -111,23 +118,20 @@ class StartWatch:
         return False
 
     def _watch(self):
-        me, seen = os.getpid(), {}
+        me = os.getpid()
+        mine = _children().get(me, (0, "", ""))[2]
+        seen, dead = {}, {}
         while not self.done.wait(self.poll):
-            table = _children()
-            below = descendants(me, table)
-            for pid, (state, cmd) in below.items():
-                watched = table[pid][0] == me or cmd.startswith("VLLM")
-                if watched and state != "Z":
-                    seen.setdefault(pid, (time.time(), cmd))
-            for pid, (since, cmd) in list(seen.items()):
-                if time.time() - since < self.settle:
-                    continue
-                if pid not in below or below[pid][0] == "Z":
-                    self.dead = (pid, cmd)
-                    if self.done.wait(self.grace):
-                        return
-                    self.on_dead(f"vLLM's engine died while starting (process {pid}, {cmd.split(' ')[0]}, exited): "
-                                 f"{cause()}")
+            for pid, (state, cmd) in descendants(me).items():
+                if state != "Z":
+                    if is_engine(cmd, mine):
+                        seen[pid] = cmd
+                elif pid in seen:
+                    dead.setdefault(pid, time.time())
+            for pid, since in dead.items():
+                if time.time() - since >= self.grace and not self.done.is_set():
+                    self.on_dead(f"vLLM's engine died while starting (process {pid}, {seen[pid].split(' ')[0]}, "
+                                 f"exited): {cause()}")
                     return
 
     def _exit(self, line):

@@ -189,9 +189,15 @@ def pytest_configure(config):
 
 
 def has_gpu():
-    """An NVIDIA GPU, seen through NVML (CUDA stays uninitialised: the stages' vLLM engines fork their workers)."""
+    """An NVIDIA GPU, seen through NVML or nvidia-smi (CUDA stays uninitialised: the stages' engines fork workers)."""
     from common.engine import gpu_memory_used
-    return bool(gpu_memory_used())
+    if gpu_memory_used():
+        return True
+    try:
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return listed.startswith("GPU ")
 
 
 needs_gpu = pytest.mark.skipif(not has_gpu(), reason="needs an NVIDIA GPU (NVML) and CUDA vLLM")

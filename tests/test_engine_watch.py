@@ -21,7 +21,8 @@ if __name__ == "__main__":
     logging.basicConfig(stream=sys.stdout, level=logging.INFO, format="%(message)s")
     die = sys.argv[1] == "die"
     with StartWatch(logging.getLogger("stage"), poll=0.5, grace=2):
-        subprocess.run(["sleep", "0.1"])  # a short helper of the start: not an engine
+        subprocess.run(["sleep", "0.1"])  # short helpers of the start, waited for: not engines
+        subprocess.run([sys.executable, "-c", "import time; time.sleep(3)"])
         p = mp.get_context("fork").Process(target=engine, args=(die,), daemon=True)
         p.start()
         time.sleep(8)  # the start: for a dead engine, LLM(...) waited here forever

@@ -53,11 +53,14 @@ def test_pipeline_regenerates_extracts_trains_exports_and_serves(kimi_run):
     # floor is half, and every smaller k accepts less than the next (each fails at zero accepted tokens)
     assert rows[3]["prompts"] == 4 and rows[3]["accepted_tokens"] >= 20, rows[3]
     assert 1.05 < rows[1]["acceptance_length"] < rows[2]["acceptance_length"] < rows[3]["acceptance_length"], rows
-    # vLLM's per-request verify steps, by MT-bench category and answer position, add up to its global counters
+    # vLLM's per-request verify steps, by MT-bench category and answer position, add up to its global counters (read
+    # off the engine's steps, on a vLLM without per-request metrics, each request's last step is left out)
+    lost = rows[3]["prompts"] if rows[3]["steps_source"] == "engine steps" else 0
     for table in (rows[3]["breakdown"]["by_category"], rows[3]["breakdown"]["by_position"]):
-        assert sum(v["drafts"] for v in table.values()) == rows[3]["drafts"]
+        assert sum(v["drafts"] for v in table.values()) == rows[3]["drafts"] - lost
         accepted = sum(v["drafts"] * (v["acceptance_length"] - 1) for v in table.values())
-        assert abs(accepted - rows[3]["accepted_tokens"]) < 1e-3 * rows[3]["drafts"]
+        assert rows[3]["accepted_tokens"] - lost * 3 - 1e-3 * rows[3]["drafts"] <= accepted
+        assert accepted < rows[3]["accepted_tokens"] + 1e-3 * rows[3]["drafts"]
     assert set(rows[3]["breakdown"]["by_category"]) <= {"writing", "roleplay", "reasoning", "math", "coding",
                                                          "extraction", "stem", "humanities"}
     assert list(rows[3]["breakdown"]["by_position"])[0] == "0-63"

