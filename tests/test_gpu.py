@@ -25,58 +25,6 @@ def pipeline_run():
     return json.loads((GPU_WORK / "eval" / "acceptance.json").read_text())
 
 
-@pytest.mark.skipif(__import__("importlib").util.find_spec("flashinfer") is not None, reason="FlashInfer installed")
-def test_an_engine_that_dies_at_start_ends_the_stage_in_a_minute(tmp_path):
-    """vLLM 0.26's runner imports FlashInfer for its sampler when told to: without FlashInfer its engine dies at start
-    (a stage waited 7.5 min on it, 2026-12-07). Forced on here, the stage ends with one line naming the cause; left to
-    the pipeline (which turns the sampler off where FlashInfer is missing), the same stage runs."""
-    from common.vllm_compat import version
-    if version() >= (0, 27, 0):
-        pytest.skip("this vLLM's runner does not import FlashInfer at start")
-    args = ["--work-dir", tmp_path / "w", *SMALL, "--regenerate", "--num-samples", 2]
-    t0 = time.time()
-    proc = run_script("01_prepare_dataset.py", *args, env={"VLLM_USE_FLASHINFER_SAMPLER": "1"}, timeout=600)
-    took = time.time() - t0
-    print(f"dead engine: exit {proc.returncode} after {took:.0f} s; last lines:\n" + "\n".join(proc.output.splitlines()[-5:]))
-    assert proc.returncode != 0 and "flashinfer" in proc.output.lower()
-    assert took < 240, took  # the engine start itself takes ~60 s here; then a minute at most
-    line = [x for x in proc.output.splitlines() if "engine died while starting" in x or "Engine core initialization failed" in x]
-    assert line, proc.output[-3000:]
-    proc = run_script("01_prepare_dataset.py", *args, timeout=600)
-    assert proc.returncode == 0 and "VLLM_USE_FLASHINFER_SAMPLER=0" in proc.output, proc.output[-3000:]
-
-
-def test_cuda_vllm_extraction_equals_the_hf_backend_per_layer(tmp_path):
-    """Stage 2 through CUDA vLLM (bf16, FlashAttention) against the HF backend (transformers, bf16, SDPA) on the same 8
-    samples. Tolerance per layer: mean |difference| <= 2% of the layer's mean |value| (bf16 keeps 8 bits; two kernels
-    round differently), and the two agree far better than neighbouring layers differ (a layer off by one would pass
-    the first bound on deep layers, not the second)."""
-    import torch
-
-    from common.hidden_states import read_sample
-    vllm_w, hf_w = tmp_path / "vllm", tmp_path / "hf"
-    run_script("01_prepare_dataset.py", "--work-dir", vllm_w, *SMALL, "--no-regenerate", check=True)
-    import shutil
-    shutil.copytree(vllm_w / "prepared", hf_w / "prepared")
-    for work, backend in ((vllm_w, "vllm"), (hf_w, "hf")):
-        run_script("02_extract_hidden_states.py", "--work-dir", work, *SMALL, "--backend", backend, "--dtype", "bfloat16",
-                   "--self-check-samples", 2, check=True, timeout=900)
-    worst, neighbour = [0.0] * 4, []
-    for i in range(8):
-        a = read_sample(vllm_w / "hidden_states" / f"hs_{i}.safetensors", torch.float32)
-        b = read_sample(hf_w / "hidden_states" / f"hs_{i}.safetensors", torch.float32)
-        assert torch.equal(a["token_ids"], b["token_ids"])
-        ha, hb = a["hidden_states"], b["hidden_states"]
-        for j in range(ha.shape[1]):
-            worst[j] = max(worst[j], ((ha[:, j] - hb[:, j]).abs().mean() / hb[:, j].abs().mean()).item())
-        neighbour.append(min(((ha[:, j] - hb[:, j + 1]).abs().mean() / hb[:, j + 1].abs().mean()).item()
-                             for j in range(ha.shape[1] - 1)))
-    print(f"vLLM (CUDA) vs HF per layer [2, 15, 27, 30]: worst mean relative difference {[round(w, 4) for w in worst]}; "
-          f"neighbouring layers differ by >= {min(neighbour):.3f}")
-    assert max(worst) <= 0.02, worst
-    assert min(neighbour) > 5 * max(worst), (worst, neighbour)
-
-
 def test_the_gpu_served_draft_accepts_as_trained(tmp_path):
     """The embedded default's run on this GPU (./run_pipeline.sh, unpatched): acceptance in the range the CPU-served
     default measures (MT-bench 2.11-2.12), real verify steps compared with training's prediction (on vLLM 0.26 read
@@ -126,3 +74,55 @@ def test_every_output_that_differs_from_plain_decoding_parts_at_a_near_tie():
         margins.append((r["id"], at, round(margin, 3)))
     print(f"{len(margins)} of {len(rows)} outputs differ; (prompt, first differing token, logit margin): {margins}")
     assert all(abs(m) < 1.0 for _, _, m in margins), margins
+
+
+def test_cuda_vllm_extraction_equals_the_hf_backend_per_layer(tmp_path):
+    """Stage 2 through CUDA vLLM (bf16, FlashAttention) against the HF backend (transformers, bf16, SDPA) on the same 8
+    samples. Tolerance per layer: mean |difference| <= 2% of the layer's mean |value| (bf16 keeps 8 bits; two kernels
+    round differently), and the two agree far better than neighbouring layers differ (a layer off by one would pass
+    the first bound on deep layers, not the second)."""
+    import torch
+
+    from common.hidden_states import read_sample
+    vllm_w, hf_w = tmp_path / "vllm", tmp_path / "hf"
+    run_script("01_prepare_dataset.py", "--work-dir", vllm_w, *SMALL, "--no-regenerate", check=True)
+    import shutil
+    shutil.copytree(vllm_w / "prepared", hf_w / "prepared")
+    for work, backend in ((vllm_w, "vllm"), (hf_w, "hf")):
+        run_script("02_extract_hidden_states.py", "--work-dir", work, *SMALL, "--backend", backend, "--dtype", "bfloat16",
+                   "--self-check-samples", 2, check=True, timeout=900)
+    worst, neighbour = [0.0] * 4, []
+    for i in range(8):
+        a = read_sample(vllm_w / "hidden_states" / f"hs_{i}.safetensors", torch.float32)
+        b = read_sample(hf_w / "hidden_states" / f"hs_{i}.safetensors", torch.float32)
+        assert torch.equal(a["token_ids"], b["token_ids"])
+        ha, hb = a["hidden_states"], b["hidden_states"]
+        for j in range(ha.shape[1]):
+            worst[j] = max(worst[j], ((ha[:, j] - hb[:, j]).abs().mean() / hb[:, j].abs().mean()).item())
+        neighbour.append(min(((ha[:, j] - hb[:, j + 1]).abs().mean() / hb[:, j + 1].abs().mean()).item()
+                             for j in range(ha.shape[1] - 1)))
+    print(f"vLLM (CUDA) vs HF per layer [2, 15, 27, 30]: worst mean relative difference {[round(w, 4) for w in worst]}; "
+          f"neighbouring layers differ by >= {min(neighbour):.3f}")
+    assert max(worst) <= 0.02, worst
+    assert min(neighbour) > 5 * max(worst), (worst, neighbour)
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("flashinfer") is not None, reason="FlashInfer installed")
+def test_an_engine_that_dies_at_start_ends_the_stage_in_a_minute(tmp_path):
+    """vLLM 0.26's runner imports FlashInfer for its sampler when told to: without FlashInfer its engine dies at start
+    (a stage waited 7.5 min on it, 2026-12-07). Forced on here, the stage ends with one line naming the cause; left to
+    the pipeline (which turns the sampler off where FlashInfer is missing), the same stage runs."""
+    from common.vllm_compat import version
+    if version() >= (0, 27, 0):
+        pytest.skip("this vLLM's runner does not import FlashInfer at start")
+    args = ["--work-dir", tmp_path / "w", *SMALL, "--regenerate", "--num-samples", 2]
+    t0 = time.time()
+    proc = run_script("01_prepare_dataset.py", *args, env={"VLLM_USE_FLASHINFER_SAMPLER": "1"}, timeout=600)
+    took = time.time() - t0
+    print(f"dead engine: exit {proc.returncode} after {took:.0f} s; last lines:\n" + "\n".join(proc.output.splitlines()[-5:]))
+    assert proc.returncode != 0 and "flashinfer" in proc.output.lower()
+    assert took < 240, took  # the engine start itself takes ~60 s here; then a minute at most
+    line = [x for x in proc.output.splitlines() if "engine died while starting" in x or "Engine core initialization failed" in x]
+    assert line, proc.output[-3000:]
+    proc = run_script("01_prepare_dataset.py", *args, timeout=600)
+    assert proc.returncode == 0 and "VLLM_USE_FLASHINFER_SAMPLER=0" in proc.output, proc.output[-3000:]
