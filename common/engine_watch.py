@@ -3,8 +3,8 @@
 vLLM starts its engine core (and, at TP > 1, its workers) as processes of their own. When one of them dies during
 start-up, the `LLM(...)` call in the stage can wait on it forever without a line (seen with vLLM 0.26 on an H100:
 7.5 min, until the call was killed). While an engine starts, a thread here watches this process's vLLM processes;
-one that was alive and is gone (or a zombie) means a dead engine: the stage logs the last error line those processes
-wrote (their stderr passes through a small tee kept here), stops what is left of the engine, and exits with status 1.
+one that has died unreaped (a zombie) means a dead engine: the stage logs the last error line those processes
+wrote (their output passes through a small tee kept here), stops what is left of the engine, and exits with status 1.
 Finished work is on disk already (every stage writes atomically and resumes), so a re-run picks up where it was.
 """
 import collections
@@ -16,39 +16,56 @@ import sys
 import threading
 import time
 
-TAIL = collections.deque(maxlen=400)  # the last lines written to this process's stderr, its engine's included
-_TEE = []
-ERROR_LINE = re.compile(r"^\s*(?:\S*(?:Error|Exception|Exit)\w*:|RuntimeError|Traceback|CUDA error|.*\bERROR\b)")
+TAIL = collections.deque(maxlen=400)  # the last lines this process and its engine wrote while an engine started
+# the line a traceback ends with (its exception), or a logger's ERROR line
+ERROR_LINE = re.compile(r"^\s*(?:\S*(?:Error|Exception|Exit)\w*:|RuntimeError|CUDA error|.*\bERROR\b)")
 
 
-def tee_stderr():
-    """Pass fd 2 through a pipe read by a daemon thread that writes every line on to the real stderr and keeps the
-    last ones in TAIL. Processes started after this inherit the pipe, so their tracebacks land in TAIL too. Once per
-    process; the thread lives as long as the process (its engines keep writing to the pipe)."""
-    if _TEE:
-        return
-    sys.stderr.flush()
-    real = os.dup(2)
-    r, w = os.pipe()
-    os.dup2(w, 2)
-    os.close(w)
+class Tee:
+    """While an engine starts, fd `fd` (1 or 2) of this process passes through a pipe read by a daemon thread that
+    writes every byte on to the real file and keeps the last lines in TAIL. The engine's processes, started meanwhile,
+    inherit the pipe, so their tracebacks land in TAIL too; the thread goes on forwarding their output for the
+    process's life. restore() gives this process its real fd back once the start is over (its own later lines, the
+    one-line errors at exit included, then go straight out), after the pipe has drained."""
 
-    def pump():
+    def __init__(self, fd):
+        (sys.stdout if fd == 1 else sys.stderr).flush()
+        self.fd, self.real = fd, os.dup(fd)
+        self.r, w = os.pipe()
+        os.dup2(w, fd)
+        os.close(w)
+        threading.Thread(target=self._pump, daemon=True, name=f"tee-{fd}").start()
+
+    def _pump(self):
         buf = b""
         while True:
             try:
-                chunk = os.read(r, 65536)
+                chunk = os.read(self.r, 65536)
             except OSError:
                 return
             if not chunk:
                 return
             with contextlib.suppress(OSError):
-                os.write(real, chunk)
+                os.write(self.real, chunk)
             buf += chunk
             *lines, buf = buf.split(b"\n")
             TAIL.extend(line.decode("utf-8", "replace") for line in lines)
-    threading.Thread(target=pump, daemon=True, name="stderr-tee").start()
-    _TEE.append(real)
+
+    def drain(self, timeout=2.0):
+        import fcntl
+        import struct
+        import termios
+        (sys.stdout if self.fd == 1 else sys.stderr).flush()
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            left = struct.unpack("i", fcntl.ioctl(self.r, termios.FIONREAD, b"\0\0\0\0"))[0]
+            if not left:
+                return
+            time.sleep(0.01)
+
+    def restore(self):
+        self.drain()
+        os.dup2(self.real, self.fd)
 
 
 def _children():
@@ -108,13 +125,15 @@ class StartWatch:
         self.done = threading.Event()
 
     def __enter__(self):
-        tee_stderr()
+        self.tees = [Tee(1), Tee(2)]
         self.thread = threading.Thread(target=self._watch, daemon=True, name="engine-start-watch")
         self.thread.start()
         return self
 
     def __exit__(self, *exc):
         self.done.set()
+        for tee in self.tees:
+            tee.restore()
         return False
 
     def _watch(self):
@@ -140,5 +159,6 @@ class StartWatch:
         for pid in descendants():
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
-        sys.stdout.flush()
+        for tee in self.tees:
+            tee.drain()
         os._exit(1)

@@ -27,6 +27,8 @@ if __name__ == "__main__":
         p.start()
         time.sleep(8)  # the start: for a dead engine, LLM(...) waited here forever
     print("engine started", flush=True)
+    print("error: a one-line error at exit", file=sys.stderr)  # after the start: straight out, never lost in the tee
+    sys.exit(2)
 """
 
 
@@ -49,7 +51,8 @@ def test_a_healthy_start_and_short_helpers_are_left_alone(tmp_path):
     script = tmp_path / "stage.py"
     script.write_text(SCRIPT)
     proc = run_cmd(["python3", script, "live"], timeout=120)
-    assert proc.returncode == 0 and "engine started" in proc.output, proc.output[-2000:]
+    assert proc.returncode == 2 and "engine started" in proc.output, proc.output[-2000:]
+    assert proc.stderr.strip().splitlines()[-1] == "error: a one-line error at exit"
     assert "died" not in proc.output
 
 
