@@ -16,7 +16,7 @@ cd "$(dirname "$0")/.."
 phase=${1:?part|run|keep}; shift
 site=/tmp/site venv=/tmp/venv-vllm026
 mkdir -p /tmp/pk
-cp .pk/p?? /tmp/pk/ 2>/dev/null; echo "parts here: $(ls /tmp/pk | tr '\n' ' ')"
+cp .pk*/p?? /tmp/pk/ 2>/dev/null; echo "parts here: $(ls /tmp/pk | tr '\n' ' ')"
 if [[ $phase == keep ]]; then
   out=${1:?OUT}; w=${EAGLE3_WORK:-runs/smollm2-135m}
   tar -C "$w" -czf "$out/run.tgz" report.md logs eval train/manifest.json final_draft prepared/manifest.json \
