@@ -15,9 +15,9 @@ from pathlib import Path
 
 from common.errors import UsageError, run_main
 from common.evaluate import (acceptance_breakdown, acceptance_row, baseline_key, compare_with_training, derived_rows,
-                             eval_prompts, load_baseline, prompt_categories, run_engine, save_baseline, save_outputs,
-                             save_results, serve_context, single_note, tokenize_prompts,
-                             vocab_coverage)
+                             eval_prompts, load_baseline, prompt_categories, save_baseline, save_outputs, save_results,
+                             serve_context, single_note, tokenize_prompts, vocab_coverage)
+from common.generation import run_engine
 from common.parity import parity_samples, served_vs_predicted, verdict
 from common.drafts import method_of_export
 from common.engine import compute_dtype

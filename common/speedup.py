@@ -96,9 +96,9 @@ def measured(single, base_single, k, passes):
 def speedup_lines(s):
     """report.md's section from the row's `speedup_model`."""
     p, m = s["predicted"], s.get("measured")
-    lines = ["", f"Speedup at concurrency 1: speedup = AL / (r_verify + passes x c), memory-bound decoding (common/"
-                 f"speedup.py): c = draft bytes / verifier bytes per token, r_verify = verifier bytes for k + 1 tokens / "
-                 f"for one (MoE: the union of experts the tokens route to)", "",
+    lines = ["", "Speedup at concurrency 1: speedup = AL / (r_verify + passes x c), memory-bound decoding (common/"
+                 "speedup.py): c = draft bytes / verifier bytes per token as stored, r_verify = verifier bytes for k + 1 "
+                 "tokens / for one (MoE: the union of experts the tokens route to)", "",
              "| | AL | k | draft passes | verifier GB/token | draft GB/pass | c | r_verify | speedup |",
              "|---|---|---|---|---|---|---|---|---|",
              f"| predicted for {s['target']} | {p['acceptance_length']:.3f} | {p['k']} | {p['draft_passes']} | "

