@@ -10,7 +10,9 @@ from conftest import proc_stat, ROOT
 
 HANGS = """
 import subprocess, sys, time
-child = subprocess.Popen(["sleep", "300"])  # an engine process of the stage
+# a process of the stage in a session of its own, as torchrun's ranks are: the stage's process group does not hold it,
+# so only conftest.kill_tree (which follows parent links) ends it
+child = subprocess.Popen(["sleep", "300"], start_new_session=True)
 open(sys.argv[1], "w").write(str(child.pid))
 time.sleep(300)
 """
