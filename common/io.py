@@ -1,5 +1,6 @@
 """Atomic file writes and stage manifests: a kill at any moment never leaves a half-written file
 under a final name, and a later stage refuses inputs that do not match what it expects."""
+import contextlib
 import errno
 import hashlib
 import json
@@ -45,14 +46,35 @@ def atomic_path(path, need=None):
     except Exception as exc:
         if not is_disk_full(exc):
             raise
-        free = shutil.disk_usage(path.parent).free
-        needed = f", ~{fmt_size(need)} needed" if need else ""
-        raise UsageError(f"writing {path} failed: the disk is full ({first_line(exc, 120)}; {fmt_size(free)} free "
-                         f"there{needed}); every file written before it is kept: free space and run the same command "
-                         f"to resume") from None
+        raise disk_full_error(path, exc, need) from None
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def disk_full_error(path, exc, need=None):
+    """The one line a full disk ends a stage with: the file, the space there, what is still needed."""
+    free = shutil.disk_usage(Path(path).parent).free
+    needed = f", ~{fmt_size(need)} needed" if need else ""
+    return UsageError(f"writing {path} failed: the disk is full ({first_line(exc, 120)}; {fmt_size(free)} free "
+                      f"there{needed}); every file written before it is kept: free space and run the same command "
+                      f"to resume")
+
+
+def append_line(path, line):
+    """Append one line to a log file (stage 4's metrics.jsonl); on a full disk the partial line is cut off again, so
+    the file stays readable for the resume, and the stage ends in one line."""
+    path = Path(path)
+    size = path.stat().st_size if path.exists() else 0
+    try:
+        with open(path, "a") as fh:
+            fh.write(line + "\n")
+    except OSError as exc:
+        if not is_disk_full(exc):
+            raise
+        with contextlib.suppress(OSError):
+            os.truncate(path, size)
+        raise disk_full_error(path, exc, len(line) + 1) from None
 
 
 def write_json_atomic(path, data):

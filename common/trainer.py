@@ -14,6 +14,7 @@ from common.drafts import method_of
 from common.drafts.layers import take_embedding, use_flex_on_cuda
 from common.drafts.losses import compile_loss
 from common.errors import UsageError
+from common.io import append_line
 from common.log import fmt_duration
 from common.optim import build_optimizer, lr_lambda
 from common.metrics import accumulate, merge_sums, peak_memory_gb, summarize
@@ -191,8 +192,7 @@ class Trainer:
 
     def _write_metrics(self, row):
         if self.rank == 0:
-            with open(self.metrics_path, "a") as fh:
-                fh.write(json.dumps(row) + "\n")
+            append_line(self.metrics_path, json.dumps(row))
 
     def _checkpoint(self, val=None):
         t0 = time.time()

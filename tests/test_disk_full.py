@@ -66,3 +66,51 @@ def test_a_disk_full_during_the_export_stops_in_one_line_and_keeps_the_checkpoin
     again = run_script("04_train.py", "--work-dir", work, *OVERFIT)
     assert again.returncode == 0 and "validation @" not in again.output, again.output[-2000:]
     torch.testing.assert_close(load_file(str(weights)), load_file(str(trained / "final_draft" / "model.safetensors")))
+
+
+VLLM = ["--max-seq-len", 192, "--dtype", "float32", "--backend", "vllm", "--self-check-samples", 2]
+
+
+def test_a_disk_full_in_vllms_connector_stops_in_one_line_and_keeps_the_written_samples(extracted, tmp_path):
+    """The default backend writes through vLLM's connector in the engine (common/hs_connector.py): a write that fails
+    there leaves no half file and stage 2 stops in the same one line, the samples before it whole; the re-run ends
+    the job."""
+    work = tmp_path / "w"
+    shutil.copytree(extracted / "prepared", work / "prepared")
+    hs, done = work / "hidden_states", sorted((extracted / "hidden_states").glob("hs_*.safetensors"))
+    hs.mkdir()
+    for p in done[:2]:
+        shutil.copy(p, hs / p.name)
+    before = {p.name: p.read_bytes() for p in hs.iterdir()}
+    proc = run_with_file_limit(done[0].stat().st_size // 2, "02_extract_hidden_states.py", "--work-dir", work, *VLLM)
+    line = usage_error(proc)
+    assert line.startswith(f"error: writing {hs}/.staging-") and "the disk is full (" in line, line
+    assert "File too large" in line or "code: 27" in line, line  # the writer's own cause, from the engine's side
+    assert re.search(r" free there, ~\d+\.\d MB needed\); every file written before it is kept", line), line
+    assert {p.name: p.read_bytes() for p in hs.iterdir() if p.name.startswith("hs_")} == before
+    again = run_script("02_extract_hidden_states.py", "--work-dir", work, *VLLM)
+    assert again.returncode == 0, again.output[-2000:]
+    assert json.loads((hs / "manifest.json").read_text())["counts"]["samples"] == len(done)
+
+
+APPEND = """
+import resource, signal, sys
+sys.path.insert(0, {root!r})
+from common.errors import run_main
+from common.io import append_line
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (100, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+run_main(lambda: [append_line(sys.argv[1], '{{"step": %d, "loss": 1.2345678}}' % i) for i in range(10)] and 0)
+"""
+
+
+def test_a_disk_full_in_stage_4s_metrics_log_keeps_it_readable(tmp_path):
+    """Stage 4 appends a line to metrics.jsonl every step (common/io.append_line): on a full disk the half line is
+    cut off again (the resume reads every line back), and the stage stops in one line naming the file."""
+    log = tmp_path / "metrics.jsonl"
+    proc = run_cmd([sys.executable, "-c", APPEND.format(root=str(ROOT)), log])
+    line = usage_error(proc)
+    assert line.startswith(f"error: writing {log} failed: the disk is full (") and "~0.0 MB needed" in line, line
+    rows = [json.loads(x) for x in log.read_text().splitlines()]  # whole lines only
+    assert [r["step"] for r in rows] == list(range(len(rows))) and 2 <= len(rows) < 10
+    assert log.stat().st_size <= 100 and log.read_text().endswith("\n")
