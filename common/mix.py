@@ -6,6 +6,7 @@ one of NAMED below, a local .json/.jsonl of conversations, or an HF dataset id (
 and taken up to its share, skipping conversations an earlier entry took and prompts that repeat an evaluation
 question (common/decontam.py).
 """
+import functools
 import hashlib
 import math
 import random
@@ -139,6 +140,13 @@ def quotas(parts, total):
     return out
 
 
+@functools.lru_cache(maxsize=1)
+def long_context_keys():
+    """First-user-turn keys of the conversations mtbench-long puts before its questions: never training data."""
+    from common.sources import long_context_conversations
+    return frozenset(_first_user_key(pairs) for pairs in long_context_conversations())
+
+
 def _first_user_key(messages):
     return hashlib.sha1(next(m["content"] for m in messages if m["role"] == "user").encode()).digest()
 
@@ -215,6 +223,9 @@ def select_conversations(cfg, log, parts, evals):
             hit = evals.conversation_overlaps(messages)
             if hit:
                 part_skips["eval_prompt_overlap"] += 1
+                continue
+            if part.source.read is iter_packaged and _first_user_key(messages) in long_context_keys():
+                part_skips["long_context_eval"] += 1  # mtbench-long's earlier conversation (common/sources.py)
                 continue
             chosen.append((ref, messages))
         for ref, messages in chosen:  # a later turn that repeats an evaluation question stays out of training

@@ -122,14 +122,18 @@ def mtbench_questions():
 
 
 LONG_CONTEXT_CHARS = 13000  # ~4.7K SmolLM2 tokens: past the embedded default's 2,048 training context
+# mtbench-long's earlier conversation comes from the packaged file's last records, which stage 1 never takes (it skips
+# any conversation whose first user turn is one of theirs): 400 records hold ~2.2M characters, enough context for
+# --max-seq-len 262,144 (6 characters a token asked for)
+LONG_CONTEXT_RECORDS = 400
 
 
-def long_context(chars=LONG_CONTEXT_CHARS):
-    """Earlier turns for mtbench-long: whole ShareGPT conversations (user / assistant pairs, from the packaged file's
-    end, far from what stage 1 draws) until `chars` characters; the same context before every question."""
+def long_context_conversations():
+    """The packaged file's last LONG_CONTEXT_RECORDS records as user / assistant pairs, last first."""
     from common.chat import BadRecord, Skip, normalize
+    records = list(iter_packaged())[-LONG_CONTEXT_RECORDS:]
     convs = []
-    for _, rec in iter_packaged():
+    for _, rec in reversed(records):
         try:
             msgs = normalize(rec)
         except (Skip, BadRecord):
@@ -138,8 +142,14 @@ def long_context(chars=LONG_CONTEXT_CHARS):
                  for m in (a, b)]
         if pairs:
             convs.append(pairs)
+    return convs
+
+
+def long_context(chars=LONG_CONTEXT_CHARS):
+    """Earlier turns for mtbench-long: whole ShareGPT conversations from the records stage 1 never draws (above),
+    until `chars` characters; the same context before every question."""
     out = []
-    for pairs in reversed(convs):
+    for pairs in long_context_conversations():
         out += pairs
         if sum(len(m["content"]) for m in out) >= chars:
             return out

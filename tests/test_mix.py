@@ -125,3 +125,26 @@ def test_quotas_add_up():
     parts = [Part(n, w, NAMED["packaged"]) for n, w in (("a", 0.7), ("b", 0.2), ("c", 0.1))]
     assert quotas(parts, 1600) == [1120, 320, 160]
     assert quotas(parts, 7) == [5, 1, 1] and sum(quotas(parts, 11)) == 11
+
+
+def test_mtbench_longs_earlier_conversation_never_enters_training(tokenizer):
+    """mtbench-long measures acceptance after earlier ShareGPT conversation; that conversation comes from records stage
+    1 never takes: the whole packaged pool, every conversation stage 1 could select, shares no first user turn with
+    any conversation mtbench-long may put before its questions (up to --max-seq-len 262,144)."""
+    import logging
+
+    from common.config import parse_config
+    from common.decontam import EvalPrompts
+    from common.mix import _first_user_key, parse_mix, select_conversations
+    from common.sources import long_context, long_context_conversations
+    cfg = parse_config(1, "", ["--num-samples", "0", "--no-keep-original-answers"])
+    convs, skips, *_ = select_conversations(cfg, logging.getLogger("t"), parse_mix(cfg.dataset), EvalPrompts())
+    pool = {_first_user_key(m) for _, m in convs}
+    assert len(pool) > 10000
+    reserved = long_context_conversations()
+    context = long_context(chars=6 * 262144)  # what mtbench-long takes at --max-seq-len 262,144: reserved pairs
+    assert sum(len(m["content"]) for m in context) >= 6 * 262144
+    flat = [m for pairs in reserved for m in pairs]
+    assert context == flat[:len(context)]
+    assert len(reserved) > 300 and not pool & {_first_user_key(pairs) for pairs in reserved}
+    assert skips["long_context_eval"] > 100, skips
