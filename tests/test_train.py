@@ -139,7 +139,10 @@ def test_long_prompts_are_measured_beside_short_ones(trained, tmp_path):
     assert list(row["breakdown"]["by_context"]) == ["0-1K", "1K-4K", "4K-8K"]
     assert 4096 < result["serve"]["longest_measured_context"] <= 5120
     cap = result["serve"]["max_model_len"]
-    assert cap in (8192, result["serve"]["longest_measured_context"]), result["serve"]
+    # the farthest bucket within 10% of 0-1K: the verifier's own 8,192 positions; else the longest context measured
+    ctx = row["breakdown"]["by_context"]
+    within = ctx["4K-8K"]["acceptance_length"] >= 0.9 * ctx["0-1K"]["acceptance_length"]
+    assert cap == (8192 if within else result["serve"]["longest_measured_context"]), (ctx, result["serve"])
     assert f"--max-model-len {cap}" in re.search(r"serve it \(OpenAI-compatible server on port 8000\): (.*)",
                                                    proc.output).group(1)
     assert "by prompt category" in (trained / "eval" / "acceptance.md").read_text() and "k=3 by category: 1K-4K" in proc.output
