@@ -43,11 +43,14 @@ def with_later_defaults(saved, now, geometry):
     return saved
 
 
-def add_noise(aux, scale, num_aux):
-    """aux [T, num_aux * H] + Gaussian noise, std = scale x the RMS of each token's state in each layer."""
+def add_noise(aux, scale, num_aux, seed):
+    """aux [T, num_aux * H] + Gaussian noise, std = scale x the RMS of each token's state in each layer, drawn from the
+    packed sequence's own seed (on the host, as DFlash's anchors): any rank count, accumulation or resume draws the
+    same noise for the same sequence."""
     x = aux.view(aux.shape[0], num_aux, -1)
     rms = x.float().pow(2).mean(-1, keepdim=True).sqrt()
-    return (x + torch.randn_like(x, dtype=torch.float32) * (scale * rms)).to(aux.dtype).view_as(aux)
+    noise = torch.randn(x.shape, generator=torch.Generator().manual_seed(2 * seed + 1)).to(x.device)  # not the anchors'
+    return (x + noise * (scale * rms)).to(aux.dtype).view_as(aux)
 
 
 # grad_accum is not among them: a resume on another number of ranks keeps the global batch (ranks x accumulation)
@@ -274,9 +277,9 @@ class Trainer:
             t_step = time.time()
             for batch in self._waited(loader):
                 batch = to_device(batch, self.device, self.dtype)
-                if cfg.hidden_noise:
-                    batch["aux"] = add_noise(batch["aux"], cfg.hidden_noise, self.model.g.num_aux)
                 seed = sequence_seed(cfg.seed, st["epoch"], st["seq"] + self.rank)  # this batch's global index
+                if cfg.hidden_noise:
+                    batch["aux"] = add_noise(batch["aux"], cfg.hidden_noise, self.model.g.num_aux, seed)
                 with autocast(self.device, self.bf16):
                     loss, metrics = self.parallel_model(batch, *self.loss_args, **self.method.step_kwargs(seed))
                 (loss / self.grad_accum).backward()

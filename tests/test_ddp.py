@@ -100,7 +100,8 @@ DFLASH = ("--draft-method", "dflash", "--block-size", 4, "--draft-layers", 2, "-
 # DDP with Muon: each rank orthogonalises its share of the matrices and broadcasts them (common/optim.py); AdamW's
 # update runs on every rank in the FSDP case. The DDP runs are killed mid-checkpoint first and resumed.
 # DFlash draws its anchors at random: from each packed sequence's own seed, so 2 ranks draw what 1 process draws
-@pytest.mark.parametrize("parallel,extra", [("ddp", ("--optimizer", "muon")),
+# --hidden-noise draws from each sequence's seed too: the killed and resumed 2-rank run equals one process's
+@pytest.mark.parametrize("parallel,extra", [("ddp", ("--optimizer", "muon", "--hidden-noise", 0.2)),
                                             ("ddp", ("--optimizer", "muon", *DFLASH)),
                                             ("fsdp", ("--train-lm-head", "--draft-norms", "fc-norm"))],
                          ids=["ddp_muon", "ddp_dflash_muon", "fsdp_head_norms"])
