@@ -9,7 +9,6 @@ import torch.nn.functional as F
 
 from common.drafts import ttt_plan
 from common.drafts.eagle3 import DraftGeometry, Eagle3Draft
-from common.drafts.layers import rope
 from common.drafts.eagle3 import ttt_loss
 
 
@@ -47,12 +46,22 @@ def start_weights_by_hand(mask, doc, weight, tokens):
     return torch.tensor(w, dtype=torch.float64)
 
 
+def plain_rope(x, pos, theta):
+    """Llama's rotary embedding written out (rotate-half, plain RoPE at `theta`): not the draft's own Rotary."""
+    dim = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    ang = pos.double()[:, None] * inv[None]
+    cos, sin = torch.cat([ang, ang], -1).cos().to(x.dtype), torch.cat([ang, ang], -1).sin().to(x.dtype)
+    return x * cos + torch.cat([-x[..., dim // 2:], x[..., :dim // 2]], -1) * sin
+
+
 def dense_reference(m, b, ttt, decay, loss="kl", start=None):
     g, T = m.g, b["ids"].shape[0]
     weight = torch.ones(T, dtype=torch.float64) if start is None else start_weights_by_hand(b["loss_mask"], b["doc"], *start)
     doc, pos, mask0 = b["doc"], b["pos"], b["loss_mask"].bool()
     layer = m.layers[0]
     at = layer.self_attn
+    assert at.rotary.params["rope_type"] == "default"  # the reference writes plain RoPE out
     target_logp = m.verifier_lm_head(m.verifier_norm(b["target_hidden"])).log_softmax(-1)
     causal = (doc[:, None] == doc[None, :]) & torch.ones(T, T, dtype=torch.bool).tril()
     hidden, ks, vs, total = m.fc(b["aux"]), [], [], 0.0
@@ -60,8 +69,8 @@ def dense_reference(m, b, ttt, decay, loss="kl", start=None):
         ids = torch.cat([b["ids"][k:], b["ids"].new_zeros(k)])
         normed = layer.hidden_norm(hidden)
         x = torch.cat([layer.input_layernorm(m.embed_tokens(ids)), normed], -1)
-        q = rope(at.q_proj(x).view(T, g.num_heads, -1).transpose(0, 1), pos + k, at.rotary)
-        ks.append(rope(at.k_proj(x).view(T, g.num_kv_heads, -1).transpose(0, 1), pos + k, at.rotary))
+        q = plain_rope(at.q_proj(x).view(T, g.num_heads, -1).transpose(0, 1), pos + k, g.rope_theta)
+        ks.append(plain_rope(at.k_proj(x).view(T, g.num_kv_heads, -1).transpose(0, 1), pos + k, g.rope_theta))
         vs.append(at.v_proj(x).view(T, g.num_kv_heads, -1).transpose(0, 1))
         full_mask = torch.cat([causal] + [torch.eye(T, dtype=torch.bool)] * k, 1)
         rep = g.num_heads // g.num_kv_heads
