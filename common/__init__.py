@@ -7,3 +7,12 @@ import os
 # CUDA in forked subprocess" (seen on an H200, torch 2.11). With this set before the first such call,
 # torch answers from NVML and leaves the driver alone. Every script imports `common` before it asks.
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+
+# vLLM 0.26's Model Runner V2 imports FlashInfer for its sampler unless VLLM_USE_FLASHINFER_SAMPLER=0, and its engine
+# dies at start where FlashInfer is not installed (common/vllm_compat.py): decided here, before anything imports vLLM,
+# as the environment of the one run that worked had it. A user's own setting stands.
+if "VLLM_USE_FLASHINFER_SAMPLER" not in os.environ:
+    import importlib.util
+    if importlib.util.find_spec("flashinfer") is None:
+        os.environ["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
+        os.environ["EAGLE3_SET_FLASHINFER_SAMPLER"] = "1"  # so that the engine's start can say so

@@ -54,15 +54,26 @@ def test_pipeline_parallel_is_refused_where_aux_states_cannot_cross_ranks(monkey
 
 
 def test_flashinfers_sampler_is_turned_off_only_where_flashinfer_is_missing(monkeypatch, caplog):
+    """Decided when `common` is imported (before anything imports vLLM), said when an engine starts."""
     import importlib.util
-    monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER", raising=False)
+    import subprocess
+    import sys
+
+    from conftest import ROOT
     missing = importlib.util.find_spec("flashinfer") is None
+    probe = "import os, common; print(os.environ.get('VLLM_USE_FLASHINFER_SAMPLER'))"
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_USE_FLASHINFER_SAMPLER", "EAGLE3_SET_FLASHINFER_SAMPLER")}
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True).stdout
+    assert out.strip() == ("0" if missing else "None")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=dict(env, VLLM_USE_FLASHINFER_SAMPLER="1"),
+                         capture_output=True, text=True).stdout
+    assert out.strip() == "1"  # the user's own choice stands
+    monkeypatch.delenv("VLLM_USE_FLASHINFER_SAMPLER", raising=False)
+    monkeypatch.delenv("EAGLE3_SET_FLASHINFER_SAMPLER", raising=False)
     with caplog.at_level(logging.INFO):
         assert vllm_compat.flashinfer_sampler_env(logging.getLogger("t")) is missing
     assert os.environ.get("VLLM_USE_FLASHINFER_SAMPLER") == ("0" if missing else None)
-    monkeypatch.setenv("VLLM_USE_FLASHINFER_SAMPLER", "1")  # the user's own choice stands
-    assert vllm_compat.flashinfer_sampler_env(logging.getLogger("t")) is False
-    assert os.environ["VLLM_USE_FLASHINFER_SAMPLER"] == "1"
+    assert ("VLLM_USE_FLASHINFER_SAMPLER=0" in caplog.text) is missing
 
 
 def test_per_request_metrics_are_detected_on_the_installed_vllm():
