@@ -30,9 +30,9 @@ def test_overfits_a_few_samples(trained):
     man = json.loads((trained / "train" / "manifest.json").read_text())
     best = man["best_validation"]
     assert man["counts"]["steps"] == last["step"]
-    # the simulated acceptance length is 1 + sum_k P(drafts 0..k right), and this draft gets some right
-    assert best["acceptance_length"] == pytest.approx(1 + sum(best[f"full_acc_{k}"] for k in range(3)), abs=1e-3)
-    assert best["full_acc_0"] > 0.05, best
+    # this draft gets some right: measured 1.149 (full_acc_0 0.119) on a 2-core EPYC, 2026-12-07; the floors are half
+    # the gain, which a validation that counts nothing (or everything) misses
+    assert 1.07 < best["acceptance_length"] < 2.0 and best["full_acc_0"] > 0.05, best
     assert (trained / "train" / "curves.png").stat().st_size > 10000
     cfg = json.loads((trained / "final_draft" / "config.json").read_text())
     assert cfg["speculators_model_type"] == "eagle3" and cfg["norm_before_residual"] is True
