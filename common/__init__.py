@@ -11,8 +11,14 @@ os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 # vLLM 0.26's Model Runner V2 imports FlashInfer for its sampler unless VLLM_USE_FLASHINFER_SAMPLER=0, and its engine
 # dies at start where FlashInfer is not installed (common/vllm_compat.py): decided here, before anything imports vLLM,
 # as the environment of the one run that worked had it. A user's own setting stands.
-if "VLLM_USE_FLASHINFER_SAMPLER" not in os.environ:
-    import importlib.util
-    if importlib.util.find_spec("flashinfer") is None:
-        os.environ["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
-        os.environ["EAGLE3_SET_FLASHINFER_SAMPLER"] = "1"  # so that the engine's start can say so
+def flashinfer_sampler_off():
+    """VLLM_USE_FLASHINFER_SAMPLER=0 where FlashInfer is missing and the user set nothing; True where this set it."""
+    if "VLLM_USE_FLASHINFER_SAMPLER" not in os.environ:
+        import importlib.util
+        if importlib.util.find_spec("flashinfer") is None:
+            os.environ["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
+            os.environ["EAGLE3_SET_FLASHINFER_SAMPLER"] = "1"  # so that the engine's start can say so
+    return os.environ.get("EAGLE3_SET_FLASHINFER_SAMPLER") == "1"
+
+
+flashinfer_sampler_off()

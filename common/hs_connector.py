@@ -9,10 +9,11 @@ import os
 
 import torch
 from safetensors.torch import save_file
-from common.errors import first_line
-from common.io import is_disk_full
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
     ExampleHiddenStatesConnector, extract_from_kv_cache)
+
+from common.errors import first_line
+from common.io import is_disk_full
 
 
 class _Done:

