@@ -38,4 +38,22 @@ chmod +x $venv/bin/python
 export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} EAGLE3_VENV=$venv EAGLE3_CACHE=${EAGLE3_CACHE:-/tmp/eagle3-cache} \
        PYTHONUNBUFFERED=1
 python3 -c "import torch, vllm; print('torch', torch.__version__, 'vllm', vllm.__version__, torch.cuda.get_device_name())"
-"$@"
+[[ -z ${STALL_S:-} ]] && exec "$@"
+# STALL_S=N: a command with no output line for N s gets every Python process's stacks (faulthandler on SIGABRT) and
+# stops: a hang shows where it waits instead of using up the call
+export PYTHONFAULTHANDLER=1
+log=/tmp/gpu_pipeline.out; : > $log
+"$@" > >(tee -a $log) 2>&1 &
+pid=$!
+while kill -0 $pid 2>/dev/null; do
+  sleep 5
+  if (( $(date +%s) - $(stat -c %Y $log) > STALL_S )); then
+    echo "[gpu_pipeline] no output for ${STALL_S} s: the stacks of every Python process follow"
+    nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv
+    below=$(ps -eo pid=,ppid= | awk -v root=$pid '{up[$1]=$2} END {for (p in up) {q=p; while ((q in up) && q != root) q=up[q]; if (q == root) print p}}')
+    for p in $below; do ps -o pid=,ppid=,stat=,etime=,args= -p $p | cut -c1-160; done
+    for p in $below; do [[ $(tr '\0' ' ' < /proc/$p/cmdline 2>/dev/null) =~ python|VLLM ]] && kill -ABRT $p; done
+    sleep 5; for p in $below; do kill -KILL $p 2>/dev/null; done; wait $pid; exit 124
+  fi
+done
+wait $pid

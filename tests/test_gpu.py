@@ -34,8 +34,9 @@ def test_the_gpu_served_draft_accepts_as_trained(tmp_path):
     print(json.dumps({k: row.get(k) for k in ("acceptance_length", "per_position_acceptance", "outputs_equal_baseline",
                                                "prompts", "steps_source", "speedup", "speedup_concurrency_1")}))
     prep = json.loads((GPU_WORK / "prepared" / "manifest.json").read_text())["params"]
-    default = prep["num_samples"] == 1600  # the embedded default's data; a smaller run accepts less
-    assert (1.9 if default else 1.2) < row["acceptance_length"] < 2.4, row["acceptance_length"]
+    # the CPU default's data serves 2.11-2.12 on the CPU; the GPU recipe's (4x the prompts) more; a smaller run less
+    low, high = {1600: (1.9, 2.4), 6400: (2.2, 4.0)}.get(prep["num_samples"], (1.2, 4.0))
+    assert low < row["acceptance_length"] < high, row["acceptance_length"]
     c = row["served_vs_predicted"]
     print(f"served vs trained: {c['agree']}/{c['steps']} from {c.get('steps_source')}")
     assert c["steps"] >= 100 and c["agree"] >= 0.9 * c["steps"], c
