@@ -35,8 +35,13 @@ while [[ $# -gt 0 ]]; do
     *) pass+=("$1"); shift ;;
   esac
 done
+gpus=$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU ' || true)
+# a GPU recipe on a machine without a GPU: refused before setup (every stage refuses it too, common/config.py)
+if grep -Eq '^needs_gpu: *(true|yes|on|1)\b' "$config" && (( gpus == 0 )) && [[ " ${pass[*]} " != *" --no-needs-gpu "* ]]; then
+  die "$config asks for a GPU recipe (needs_gpu) and this machine has no NVIDIA GPU (nvidia-smi lists none): on a CPU run configs/smollm2-135m.yaml, or pass --no-needs-gpu to run this recipe here anyway (hours)"
+fi
 if [[ -z $nproc ]]; then  # training processes: one per visible GPU, else one
-  nproc=$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU ' || true)
+  nproc=$gpus
   if [[ -n ${CUDA_VISIBLE_DEVICES+x} ]]; then
     visible=$(tr ',' '\n' <<< "$CUDA_VISIBLE_DEVICES" | grep -c . || true)
     (( visible < nproc )) && nproc=$visible

@@ -52,9 +52,33 @@ def test_unknown_flag_exits_2_with_suggestion():
     assert "Traceback" not in proc.output
 
 
+def test_a_gpu_recipe_is_refused_by_every_stage_where_no_gpu_is_visible(tmp_path):
+    """configs/smollm2-135m-gpu.yaml (needs_gpu: true) on this CPU-only machine: one line, exit 2, before any load;
+    --no-needs-gpu runs it anyway."""
+    from common.engine import has_gpu
+    if has_gpu():
+        pytest.skip("a GPU is visible here")
+    for script in ("01_prepare_dataset.py", "02_extract_hidden_states.py", "04_train.py", "05_evaluate.py"):
+        proc = run_script(script, "--config", ROOT / "configs" / "smollm2-135m-gpu.yaml", "--work-dir", tmp_path)
+        usage_error(proc)
+        assert "configs/smollm2-135m-gpu.yaml asks for a GPU recipe" in proc.stderr and "--no-needs-gpu" in proc.stderr
+    cfg = parse_config(1, "t", ["--config", str(ROOT / "configs" / "smollm2-135m-gpu.yaml"), "--no-needs-gpu"])
+    assert cfg.num_samples == 6400 and cfg.needs_gpu is False
+
+
+def test_the_gpu_recipe_is_the_cpu_default_with_gpu_sizes():
+    """configs/smollm2-135m-gpu.yaml differs from the CPU default only in what a GPU makes cheap."""
+    import yaml
+    cpu = yaml.safe_load((ROOT / "configs" / "smollm2-135m.yaml").read_text())
+    gpu = yaml.safe_load((ROOT / "configs" / "smollm2-135m-gpu.yaml").read_text())
+    changed = {k for k in set(cpu) | set(gpu) if cpu.get(k) != gpu.get(k)}
+    assert changed == {"work_dir", "needs_gpu", "cpu_kv_cache_gb", "num_samples", "regenerate_chunk",
+                       "max_tokens_per_batch", "draft_vocab_size", "max_tokens_per_step"}, changed
+
+
 def test_shipped_configs_parse():
-    for name in ("smollm2-135m.yaml", "kimi-k2.5.yaml"):
-        cfg = parse_config(1, "t", ["--config", str(ROOT / "configs" / name)])
+    for name in ("smollm2-135m.yaml", "kimi-k2.5.yaml", "smollm2-135m-gpu.yaml"):
+        cfg = parse_config(1, "t", ["--config", str(ROOT / "configs" / name), "--no-needs-gpu"])
         assert cfg.layer_ids[-1] in (30, 61)
     kimi = parse_config(4, "t", ["--config", str(ROOT / "configs" / "kimi-k2.5.yaml")])
     assert kimi.layer_ids == [2, 30, 58, 61] and kimi.tensor_parallel_size == 8
@@ -197,6 +221,8 @@ def test_a_bad_value_is_one_line_and_exit_2_before_anything_runs(script, args, n
     (["--only", "0"], "error: --only '0' names 0 stages"),
     (["--only", "_"], "error: --only '_' names 5 stages"),
     (["--nproc", "two"], "error: --nproc must be a positive integer, got 'two'"),
+    (["configs/smollm2-135m-gpu.yaml"], "error: configs/smollm2-135m-gpu.yaml asks for a GPU recipe (needs_gpu) and "
+     "this machine has no NVIDIA GPU"),
 ])
 def test_the_wrapper_checks_its_own_arguments_before_setup(args, needle, tmp_path):
     import subprocess
