@@ -203,7 +203,9 @@ def test_stage4_trains_and_exports_a_dflash_draft_speculators_loads(dflash_run):
     man = json.loads((work / "train" / "manifest.json").read_text())
     assert man["params"]["draft_method"] == "dflash" and man["params"]["positions"] == 3
     best = man["best_validation"]
-    assert best["acceptance_length"] == pytest.approx(1 + sum(best[f"full_acc_{k}"] for k in range(3)), abs=1e-3)
+    # a floor a draft that learnt nothing misses: chance over 1,024 draft tokens gives ~1.001; this tiny run measured
+    # 1.020 (2-core EPYC), the floor is a quarter of that gain
+    assert best["acceptance_length"] > 1.005, best
 
 
 def test_methods_are_not_mixed_up(dflash_run, tmp_path):
