@@ -240,39 +240,39 @@ def v1_runner_reason(speculative=None):
 GPU_BASELINE = {}  # NVML index -> bytes used before this process's latest engine started
 
 
-def _visible_gpus():
-    """NVML indices of the GPUs this process may use (CUDA_VISIBLE_DEVICES as integers; else all)."""
-    import pynvml
+def nvidia_smi(*query):
+    """Rows of `nvidia-smi --query-gpu=...` (csv, no units), or [] where there is no NVIDIA driver. A process of its
+    own: nothing of the driver is loaded into this process, whose engines still fork (NVML in this process was
+    present both times a GPU engine start hung in pinned memory, docs/gpu.md)."""
+    import subprocess
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(query)}", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    if out.returncode != 0:
+        return []
+    return [[x.strip() for x in line.split(",")] for line in out.stdout.splitlines() if line.strip()]
+
+
+def visible_gpus(rows):
+    """The rows of the GPUs this process may use (CUDA_VISIBLE_DEVICES as integers; else all)."""
     ids = os.environ.get("CUDA_VISIBLE_DEVICES")
     if ids and all(x.strip().isdigit() for x in ids.split(",")):
-        return [int(x) for x in ids.split(",")]
-    return list(range(pynvml.nvmlDeviceGetCount()))
+        wanted = {x.strip() for x in ids.split(",")}
+        return [r for r in rows if r[0] in wanted]
+    return rows
 
 
 def gpu_memory_used():
-    """{NVML index: bytes used} of the visible GPUs, without initialising CUDA here (vLLM must still fork its
-    workers); {} where NVML is missing (no NVIDIA driver)."""
-    try:
-        import pynvml
-        pynvml.nvmlInit()
-    except Exception:  # no driver or no nvidia-ml-py: nothing to wait for
-        return {}
-    try:
-        return {i: pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).used for i in _visible_gpus()}
-    finally:
-        pynvml.nvmlShutdown()
+    """{GPU index: bytes used} of the visible GPUs (nvidia-smi; CUDA stays uninitialised here: vLLM must still fork
+    its workers); {} where there is no NVIDIA driver."""
+    return {int(i): int(float(mib)) << 20 for i, mib in visible_gpus(nvidia_smi("index", "memory.used"))}
 
 
 def has_gpu():
-    """An NVIDIA GPU, seen through NVML or nvidia-smi (CUDA stays uninitialised: the stages' engines fork workers)."""
-    if gpu_memory_used():
-        return True
-    import subprocess
-    try:
-        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return False
-    return listed.startswith("GPU ")
+    """An NVIDIA GPU, as nvidia-smi lists them."""
+    return bool(nvidia_smi("index"))
 
 
 def wait_gpu_memory(baseline, timeout, slack=2 << 30, poll=1.0):

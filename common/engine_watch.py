@@ -16,19 +16,28 @@ import threading
 import time
 
 
+_CMDLINES = {}  # pid -> (its name in /proc/PID/stat, its command line) when the command line was read
+
+
 def _table():
-    """{pid: (parent pid, state, command line, exit code)} of every process, from /proc (exit code: zombies only)."""
+    """{pid: (parent pid, state, command line, exit code)} of every process, from /proc (exit code: zombies only).
+    /proc/PID/stat every poll; a process's cmdline only the first time it is seen (reading it takes the process's
+    memory-map lock, which a starting engine pinning host memory needs), and again when its name changes (VLLM::)."""
     out = {}
     for d in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{d}/stat") as fh:
                 stat = fh.read()
-            with open(f"/proc/{d}/cmdline", "rb") as fh:
-                cmd = fh.read().replace(b"\0", b" ").decode("utf-8", "replace").strip()
             rest = stat.rsplit(")", 1)[1].split()
             name = stat[stat.index("(") + 1:stat.rindex(")")]
+            pid = int(d)
+            seen_name, known = _CMDLINES.get(pid, (None, None))
+            if seen_name != name:
+                with open(f"/proc/{d}/cmdline", "rb") as fh:
+                    known = fh.read().replace(b"\0", b" ").decode("utf-8", "replace").strip() or name
+                _CMDLINES[pid] = (name, known)
             code = int(rest[49]) if rest[0] == "Z" and len(rest) > 49 else None  # field 52: the wait status
-            out[int(d)] = (int(rest[1]), rest[0], cmd or name, code)
+            out[pid] = (int(rest[1]), rest[0], known, code)
         except (OSError, ValueError, IndexError):
             continue
     return out

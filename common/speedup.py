@@ -113,16 +113,11 @@ def speedup_lines(s):
 
 
 def machine_name():
-    """The GPU's name through NVML (no CUDA initialised here: vLLM still forks its workers), else the CPU's model."""
-    try:
-        import pynvml
-        pynvml.nvmlInit()
-        try:
-            return f"{pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0))}"
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:
-        pass
+    """The GPU's name (nvidia-smi: no CUDA initialised here, vLLM still forks its workers), else the CPU's model."""
+    from common.engine import nvidia_smi, visible_gpus
+    gpus = visible_gpus(nvidia_smi("index", "name"))
+    if gpus:
+        return gpus[0][1]
     import os
 
     from common.precision import cpu_identity

@@ -190,7 +190,7 @@ def pytest_configure(config):
 
 from common.engine import has_gpu  # noqa: E402 (after the sys.path line)
 
-needs_gpu = pytest.mark.skipif(not has_gpu(), reason="needs an NVIDIA GPU (NVML) and CUDA vLLM")
+needs_gpu = pytest.mark.skipif(not has_gpu(), reason="needs an NVIDIA GPU (nvidia-smi) and CUDA vLLM")
 
 
 # fixtures that start a vLLM engine or train a draft: a test that uses one (directly or through another) is slow

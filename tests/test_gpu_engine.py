@@ -35,7 +35,7 @@ torch.cuda.synchronize(); print("held", flush=True); time.sleep(float(sys.argv[2
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not gpu_memory_used(), reason="needs an NVIDIA GPU (NVML)")
+@pytest.mark.skipif(not gpu_memory_used(), reason="needs an NVIDIA GPU (nvidia-smi)")
 def test_waits_until_another_process_releases_its_gpu_memory():
     """What close_llm does between stage 5's engines: another process (an engine's worker) holds 8 GiB; the wait
     returns once it exits, and times out with one line naming the GPU when it does not."""
