@@ -3,7 +3,7 @@
 # ../shared/device/run_vllm026.sh: no stamp faked, nothing patched, FlashInfer's sampler left to the pipeline).
 #
 # Here, once:  ../shared/device/pack_vllm026.sh with KEEP_MOE=1 (the Kimi miniature's MoE kernels) -> .pk/p00..p05;
-#              pytest and NVML's Python binding as wheels into .whl/ (README's GPU section has the line).
+#              pytest, NVML's Python binding and py-spy as wheels into .whl/ (docs/gpu.md has the lines).
 # Device calls, back to back (the machine keeps /tmp while warm: 30 s idle, 30 min held):
 #   carry [".pk/pNN", ".whl"]:  bash bench/gpu_pipeline.sh part            (one call per part)
 #   carry [".whl"]:             bash bench/gpu_pipeline.sh run -- CMD...   (unpack once, then CMD in the project root)
@@ -52,6 +52,10 @@ while kill -0 $pid 2>/dev/null; do
     nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv
     below=$(ps -eo pid=,ppid= | awk -v root=$pid '{up[$1]=$2} END {for (p in up) {q=p; while ((q in up) && q != root) q=up[q]; if (q == root) print p}}')
     for p in $below; do ps -o pid=,ppid=,stat=,etime=,args= -p $p | cut -c1-160; done
+    for p in $below; do  # C and Python frames where py-spy came in .whl/, then Python's own (faulthandler)
+      [[ $(tr '\0' ' ' < /proc/$p/cmdline 2>/dev/null) =~ python|VLLM ]] || continue
+      [[ -x $site/bin/py-spy ]] && timeout 60 $site/bin/py-spy dump --native --pid $p 2>&1 | head -60
+    done
     for p in $below; do [[ $(tr '\0' ' ' < /proc/$p/cmdline 2>/dev/null) =~ python|VLLM ]] && kill -ABRT $p; done
     sleep 5; for p in $below; do kill -KILL $p 2>/dev/null; done; wait $pid; exit 124
   fi
