@@ -12,7 +12,10 @@ os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 # dies at start where FlashInfer is not installed (common/vllm_compat.py): decided here, before anything imports vLLM.
 # A user's own setting stands. Set inside a stage's process, the variable did not do what exported did: the engine
 # hung at start 3 times of 3 on the lent GPUs, exported it started 2 of 2 (docs/gpu.md); so a stage that set it here
-# starts again with it in its environment (common.errors.run_main).
+# starts again with it in its environment (start_again_with_engine_env, below).
+import re
+import sys
+
 SET_IN_THIS_PROCESS = []
 
 
@@ -28,4 +31,14 @@ def flashinfer_sampler_off():
     return os.environ.get("EAGLE3_SET_FLASHINFER_SAMPLER") == "1"
 
 
+def start_again_with_engine_env():
+    """A numbered stage script (01_ ... 05_) whose `common` just set a variable above: replaced by the same command
+    with it in its environment from the start (os.execv: the same pid, before the stage's own imports)."""
+    if SET_IN_THIS_PROCESS and re.fullmatch(r"0[1-5]_\w+\.py", os.path.basename(sys.argv[0] or "")):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+
+
 flashinfer_sampler_off()
+start_again_with_engine_env()

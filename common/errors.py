@@ -1,5 +1,4 @@
 """User-facing failures: one line on stderr, exit status 2, no traceback."""
-import os
 import signal
 import sys
 
@@ -23,19 +22,8 @@ def _on_sigterm(signum, frame):
     raise Terminated
 
 
-def start_again_with_engine_env():
-    """Replace this process by the same command with the variables `common` set at import already in its environment
-    (see common/__init__.py: VLLM_USE_FLASHINFER_SAMPLER); no-op where it set none. The process keeps its pid."""
-    import common
-    if common.SET_IN_THIS_PROCESS:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
-
-
 def run_main(main):
     """Run a stage's main(); turn UsageError into a one-line error and exit status 2."""
-    start_again_with_engine_env()
     signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         code = main()

@@ -83,18 +83,16 @@ def test_per_request_metrics_are_detected_on_the_installed_vllm():
 
 def test_a_stage_that_turns_flashinfers_sampler_off_starts_again_with_it_in_its_environment(tmp_path):
     """Set inside a stage's process, VLLM_USE_FLASHINFER_SAMPLER=0 went with an engine that hung at start on the lent
-    GPUs (3 of 3), exported it started (2 of 2): run_main starts the stage again (same pid) so that the variable is in
-    the process's initial environment, as exported; a user's own value is kept and nothing restarts."""
+    GPUs (3 of 3), exported it started (2 of 2): a numbered stage starts again when it imports `common` (same pid), so
+    that the variable is in the process's initial environment, as exported; a user's own value is kept and nothing
+    restarts; another program that imports `common` (pytest, bench/) is never restarted."""
     import subprocess
     import sys
-    script = tmp_path / "stage.py"
+    script = tmp_path / "05_fake_stage.py"
     script.write_text(
-        f"import os, sys\nsys.path.insert(0, {str(ROOT)!r})\nfrom common.errors import run_main\n"
-        "def main():\n"
-        "    env = open('/proc/self/environ', 'rb').read().split(b'\\0')\n"
-        "    print(os.getpid(), [e.decode() for e in env if e.startswith(b'VLLM_USE_FLASHINFER_SAMPLER=')], sys.argv[1:])\n"
-        "print('started', os.getpid(), flush=True)\n"
-        "run_main(main)\n")
+        f"import os, sys\nprint('started', os.getpid(), flush=True)\nsys.path.insert(0, {str(ROOT)!r})\nimport common\n"
+        "env = open('/proc/self/environ', 'rb').read().split(b'\\0')\n"
+        "print(os.getpid(), [e.decode() for e in env if e.startswith(b'VLLM_USE_FLASHINFER_SAMPLER=')], sys.argv[1:])\n")
     env = {k: v for k, v in os.environ.items() if k not in ("VLLM_USE_FLASHINFER_SAMPLER", "EAGLE3_SET_FLASHINFER_SAMPLER")}
     out = subprocess.run([sys.executable, "-u", str(script), "--x", "a b"], env=env, capture_output=True, text=True,
                          timeout=120).stdout.split("\n")
@@ -103,3 +101,6 @@ def test_a_stage_that_turns_flashinfers_sampler_off_starts_again_with_it_in_its_
     out = subprocess.run([sys.executable, str(script)], env={**env, "VLLM_USE_FLASHINFER_SAMPLER": "1"},
                          capture_output=True, text=True, timeout=120).stdout.split("\n")
     assert len([x for x in out if x.startswith("started")]) == 1 and "['VLLM_USE_FLASHINFER_SAMPLER=1'] []" in out[1]
+    other = script.rename(tmp_path / "not_a_stage.py")
+    out = subprocess.run([sys.executable, str(other)], env=env, capture_output=True, text=True, timeout=120).stdout
+    assert out.count("started") == 1 and "[] []" in out, out  # set in the process only, as the tests' own imports do
