@@ -16,6 +16,7 @@ import yaml
 
 from common.drafts import LOSSES, METHOD_NAMES
 from common.errors import UsageError
+from common.flag_aliases import unknown_options
 
 
 def _int_list(text):
@@ -228,55 +229,10 @@ def flag_name(name):
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that exits 2 without a traceback (unknown options are handled by unknown_options)."""
+    """argparse that exits 2 without a traceback (unknown options: common.flag_aliases.unknown_options)."""
 
     def error(self, message):
         raise UsageError(message)
-
-
-def _split_unknown(extras):
-    """argparse's leftovers -> [(name, value or None)]: '--x=1', '--x 1', '--flag'."""
-    out, i = [], 0
-    while i < len(extras):
-        tok = extras[i]
-        if tok.startswith("-") and "=" in tok:
-            out.append(tuple(tok.split("=", 1)))
-        elif tok.startswith("-"):
-            nxt = extras[i + 1] if i + 1 < len(extras) else None
-            if nxt is not None and not nxt.startswith("--"):
-                out.append((tok, nxt))
-                i += 1
-            else:
-                out.append((tok, None))
-        else:
-            out.append((tok, None))  # a stray value
-        i += 1
-    return out
-
-
-def unknown_options(extras, stage, valid, prog):
-    """One error for every unknown option on the command line, each with the exact replacement."""
-    from common.flag_aliases import replacement
-    lines = []
-    for name, value in _split_unknown(extras):
-        given = name + (f" {value}" if value is not None else "")
-        if not name.startswith("-"):
-            lines.append((given, f"a value without an option; see {prog} --help"))
-            continue
-        found = replacement(name, value, stage)
-        if found:
-            lines.append((given, f"use {found[0]} ({found[1]})"))
-            continue
-        close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
-        lines.append((given, f"did you mean {close[0]}?" if close else f"see {prog} --help"))
-    if len(lines) == 1:
-        given, fix = lines[0]
-        name = given.split()[0]
-        return UsageError(f"unknown option {name}; {fix}" if fix.startswith(("did", "see")) else
-                          f"unknown option {given}: {fix}")
-    width = max(len(g) for g, _ in lines)
-    return UsageError(f"{len(lines)} unknown options, nothing was loaded:\n" +
-                      "\n".join(f"  {g:<{width}}  {fix}" for g, fix in lines))
 
 
 METAVARS = {int: "N", float: "X", _int_list: "N,N,..", str: "S"}

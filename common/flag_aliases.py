@@ -1,7 +1,10 @@
 """Option names users bring from other EAGLE-3 pipelines (SpecForge, speculators, vLLM, hand-built
 scripts), each mapped to ours with the reason. Never accepted silently: one name per option stays the
-rule; an unknown option is refused with the exact replacement (common/config.py)."""
+rule; an unknown option is refused with the exact replacement (unknown_options, called by common/config.py)."""
+import difflib
 from pathlib import PurePath
+
+from common.errors import UsageError
 
 WORK_DIR = ("--work-dir", "one run folder for all stages: stage 1 writes W/prepared/, stage 2 W/hidden_states/, "
                           "stage 4 W/final_draft/; conversations to read: --dataset")
@@ -65,3 +68,47 @@ def replacement(name, value, stage):
         if inside:
             return f"--work-dir {PurePath(*parts[:inside[0]]) if inside[0] else '.'}", why
     return ours, why
+
+
+def _split_unknown(extras):
+    """argparse's leftovers -> [(name, value or None)]: '--x=1', '--x 1', '--flag'."""
+    out, i = [], 0
+    while i < len(extras):
+        tok = extras[i]
+        if tok.startswith("-") and "=" in tok:
+            out.append(tuple(tok.split("=", 1)))
+        elif tok.startswith("-"):
+            nxt = extras[i + 1] if i + 1 < len(extras) else None
+            if nxt is not None and not nxt.startswith("--"):
+                out.append((tok, nxt))
+                i += 1
+            else:
+                out.append((tok, None))
+        else:
+            out.append((tok, None))  # a stray value
+        i += 1
+    return out
+
+
+def unknown_options(extras, stage, valid, prog):
+    """One error for every unknown option on the command line, each with the exact replacement."""
+    lines = []
+    for name, value in _split_unknown(extras):
+        given = name + (f" {value}" if value is not None else "")
+        if not name.startswith("-"):
+            lines.append((given, f"a value without an option; see {prog} --help"))
+            continue
+        found = replacement(name, value, stage)
+        if found:
+            lines.append((given, f"use {found[0]} ({found[1]})"))
+            continue
+        close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
+        lines.append((given, f"did you mean {close[0]}?" if close else f"see {prog} --help"))
+    if len(lines) == 1:
+        given, fix = lines[0]
+        name = given.split()[0]
+        return UsageError(f"unknown option {name}; {fix}" if fix.startswith(("did", "see")) else
+                          f"unknown option {given}: {fix}")
+    width = max(len(g) for g, _ in lines)
+    return UsageError(f"{len(lines)} unknown options, nothing was loaded:\n" +
+                      "\n".join(f"  {g:<{width}}  {fix}" for g, fix in lines))
