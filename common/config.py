@@ -215,7 +215,7 @@ OPTIONS = [
 BY_NAME = {o.name: o for o in OPTIONS}
 # stage-4 options that change how it runs, not the draft it trains: run_pipeline.sh does not train again for them
 RUNTIME_OPTIONS = {"num_workers", "save_every", "keep_last", "reference_config", "device", "parallel", "amp", "compile",
-                   "num_threads", "dist_timeout"}
+                   "num_threads", "dist_timeout", "needs_gpu"}
 
 
 def trained_with(cfg):
