@@ -226,6 +226,8 @@ def test_a_bad_value_is_one_line_and_exit_2_before_anything_runs(script, args, n
     (["--nproc", "two"], "error: --nproc must be a positive integer, got 'two'"),
     (["configs/smollm2-135m-gpu.yaml"], "error: configs/smollm2-135m-gpu.yaml asks for a GPU recipe (needs_gpu) and "
      "this machine has no NVIDIA GPU"),
+    (["configs/smollm2-135m-gpu.yaml", "--no-needs-gpu", "--nproc", "two"],  # let through: the next check speaks
+     "error: --nproc must be a positive integer, got 'two'"),
 ])
 def test_the_wrapper_checks_its_own_arguments_before_setup(args, needle, tmp_path):
     import subprocess
