@@ -361,8 +361,8 @@ def _validate(cfg):
         from common.engine import has_gpu
         if not has_gpu():
             where = cfg.config_file if cfg.source.get("needs_gpu") == "config" else "--needs-gpu"
-            raise UsageError(f"{where} asks for a GPU recipe (needs_gpu) and this machine has no NVIDIA GPU (NVML and "
-                             f"nvidia-smi see none): on a CPU run configs/smollm2-135m.yaml, or pass --no-needs-gpu "
+            raise UsageError(f"{where} asks for a GPU recipe (needs_gpu) and this machine has no NVIDIA GPU (nvidia-smi "
+                             f"lists none): on a CPU run configs/smollm2-135m.yaml, or pass --no-needs-gpu "
                              f"to run this recipe here anyway (hours)")
     if cfg.shard_index >= cfg.num_shards:
         raise UsageError(f"--shard-index must be in [0, --num-shards), got {cfg.shard_index} of {cfg.num_shards}")

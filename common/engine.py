@@ -237,13 +237,12 @@ def v1_runner_reason(speculative=None):
     return None
 
 
-GPU_BASELINE = {}  # NVML index -> bytes used before this process's latest engine started
+GPU_BASELINE = {}  # GPU index -> bytes used before this process's latest engine started
 
 
 def nvidia_smi(*query):
     """Rows of `nvidia-smi --query-gpu=...` (csv, no units), or [] where there is no NVIDIA driver. A process of its
-    own: nothing of the driver is loaded into this process, whose engines still fork (NVML in this process was
-    present both times a GPU engine start hung in pinned memory, docs/gpu.md)."""
+    own: nothing of the driver is loaded into this process, whose engines still fork (and no nvidia-ml-py needed)."""
     import subprocess
     try:
         out = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(query)}", "--format=csv,noheader,nounits"],

@@ -21,8 +21,8 @@ _CMDLINES = {}  # pid -> (its name in /proc/PID/stat, its command line) when the
 
 def _table():
     """{pid: (parent pid, state, command line, exit code)} of every process, from /proc (exit code: zombies only).
-    /proc/PID/stat every poll; a process's cmdline only the first time it is seen (reading it takes the process's
-    memory-map lock, which a starting engine pinning host memory needs), and again when its name changes (VLLM::)."""
+    /proc/PID/stat every poll; a process's cmdline only when its name is new or changed (VLLM::): reading it takes
+    the process's memory-map lock, so a starting engine is not made to wait on this thread every second."""
     out = {}
     for d in filter(str.isdigit, os.listdir("/proc")):
         try:

@@ -185,7 +185,7 @@ def offline_hub(root, repo_id, folder, revision="0123456789abcdef0123456789abcde
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: starts a vLLM engine or trains (the quick subset: -m 'not slow')")
     config.addinivalue_line("markers", "gpu: a check for a CUDA GPU and CUDA vLLM (`pytest -m gpu` on a GPU node; "
-                                       "skipped where NVML sees no GPU, as in CI)")
+                                       "skipped where nvidia-smi lists no GPU, as in CI)")
 
 
 from common.engine import has_gpu  # noqa: E402 (after the sys.path line)

@@ -1,5 +1,5 @@
 """The pipeline on a CUDA GPU with CUDA vLLM: `pytest -m gpu` on a GPU node (bench/gpu_pipeline.sh runs it on the lent
-H100 after the embedded default's ./run_pipeline.sh). Skipped where NVML sees no GPU (CI, the 2-core machines).
+H100 after the embedded default's ./run_pipeline.sh). Skipped where nvidia-smi lists no GPU (CI, the 2-core machines).
 
 What each test shows on the GPU that no CPU test can: the engine-start failure of vLLM 0.26 without FlashInfer ends
 the stage instead of hanging it; vLLM's CUDA extraction equals the HF backend per layer within bf16 tolerances; the

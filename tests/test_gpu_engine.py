@@ -1,5 +1,5 @@
 """GPU-only engine rules: the V1 runner's async scheduling (vLLM #56417) and the wait for the previous engine's
-GPU memory. The rule is pure logic and runs everywhere; the wait runs where NVML sees a GPU (the device)."""
+GPU memory. The rule is pure logic and runs everywhere; the wait runs where nvidia-smi lists a GPU (the device)."""
 import subprocess
 import sys
 import time
